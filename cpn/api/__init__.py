@@ -1,0 +1,1 @@
+"""The REST face (aiohttp): thin handlers over layer functions."""

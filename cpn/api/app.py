@@ -1,0 +1,62 @@
+"""The aiohttp application: state, middlewares, routes."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from cpn.api import metrics, middleware, state, wiring
+from cpn.api.routes import resources, system
+from cpn.core.db import Database
+from cpn.core.migrate import upgrade_async
+from cpn.core.settings import Settings, get_settings
+
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+
+
+def create_app(settings: Settings | None = None, db: Database | None = None, *, migrate: bool = True) -> web.Application:
+    settings = settings or get_settings()
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[middleware.errors_middleware, metrics.metrics_middleware,
+                     middleware.auth_middleware, middleware.audit_middleware],
+    )
+    app[state.SETTINGS] = settings
+    app[state.DB] = db or Database(settings.effective_database_url)
+    app[state.KINDS] = wiring.build_registry()
+    app[state.DOCS] = []
+    app[middleware.RATE] = middleware.RateLimiter(settings.rate_limit_per_minute)
+    metrics.install(app)
+    system.setup(app)
+    resources.setup(app)
+    wiring.setup_layer_routes(app)
+    _static(app)
+    if migrate:
+        app.on_startup.append(_migrate)
+    app.on_cleanup.append(_dispose)
+    return app
+
+
+def _static(app: web.Application) -> None:
+    if (WEB_DIR / "index.html").exists():
+        async def index(_: web.Request) -> web.FileResponse:
+            return web.FileResponse(WEB_DIR / "index.html")
+
+        app.router.add_get("/", index)
+        app.router.add_get("/ui", index)
+        app.router.add_static("/ui/static", WEB_DIR, show_index=False)
+
+
+async def _migrate(app: web.Application) -> None:
+    await upgrade_async(app[state.DB].url)
+
+
+async def _dispose(app: web.Application) -> None:
+    await app[state.DB].dispose()
+
+
+def serve(settings: Settings) -> None:
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    web.run_app(create_app(settings), host=settings.host, port=settings.port, print=None)

@@ -1,0 +1,114 @@
+"""Middlewares: request ids, errors → HTTP (the one place), authentication, rate limits, audit."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from cpn.api import state
+from cpn.api.bodies import json_response
+from cpn.core import errors
+from cpn.core.principal import Principal
+from layers.orchestration.identity import audit, tokens
+
+log = logging.getLogger("cpn.api")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PUBLIC_PREFIXES = ("/healthz", "/metrics", "/api/v1/openapi.json", "/api/v1/kinds", "/ui", "/favicon")
+MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
+PRINCIPAL = "principal"
+
+
+def principal_of(request: web.Request) -> Principal:
+    return request[PRINCIPAL]
+
+
+def _public(request: web.Request) -> bool:
+    return request.path == "/" or request.path.startswith(PUBLIC_PREFIXES)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request["request_id"] = request.headers.get("X-Request-Id") or str(uuid.uuid4())
+    try:
+        response = await handler(request)
+    except errors.CPNError as exc:
+        response = json_response(exc.to_body(), status=exc.status)
+    except web.HTTPRequestEntityTooLarge:
+        exc2 = errors.PayloadTooLarge(f"request body is larger than {request.app._client_max_size} bytes")
+        response = json_response(exc2.to_body(), status=413)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+        response = json_response({"error": {"code": code, "message": exc.reason, "field": None}}, exc.status)
+    except Exception:  # noqa: BLE001 - the boundary: nothing unexpected reaches a user as a traceback
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        response = json_response({"error": {"code": "internal", "field": None,
+                                            "message": f"internal error (request id {request['request_id']})"}},
+                                 status=500)
+    response.headers["X-Request-Id"] = request["request_id"]
+    return response
+
+
+class RateLimiter:
+    """A token bucket per bearer token (per client address for anonymous calls)."""
+
+    def __init__(self, per_minute: int):
+        self.rate = per_minute / 60.0
+        self.capacity = float(per_minute)
+        self.buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, key: str) -> bool:
+        now = time.monotonic()
+        level, at = self.buckets.get(key, (self.capacity, now))
+        level = min(self.capacity, level + (now - at) * self.rate)
+        if level < 1.0:
+            self.buckets[key] = (level, now)
+            return False
+        self.buckets[key] = (level - 1.0, now)
+        return True
+
+
+RATE = web.AppKey("rate", RateLimiter)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if _public(request):
+        return await handler(request)
+    header = request.headers.get("Authorization")
+    db = request.app[state.DB]
+    async with db.session() as session:
+        principal = await tokens.authenticate(session, header)
+    if not request.app[RATE].allow(principal.token_id or principal.account_id):
+        raise errors.RateLimited("too many requests for this token; slow down and retry")
+    request[PRINCIPAL] = principal
+    return await handler(request)
+
+
+@web.middleware
+async def audit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Record every mutating request with its outcome, in its own transaction."""
+    if request.method not in MUTATING or _public(request):
+        return await handler(request)
+    status, result = 500, "internal"
+    try:
+        response = await handler(request)
+        status, result = response.status, "ok"
+        return response
+    except errors.CPNError as exc:
+        status, result = exc.status, exc.code
+        raise
+    finally:
+        principal = request.get(PRINCIPAL)
+        if principal is not None:
+            try:
+                async with request.app[state.DB].session() as session:
+                    await audit.record(session, principal, request.method, request.path_qs, status, result,
+                                       request.get("request_id"))
+            except Exception:  # noqa: BLE001 - auditing must not turn a success into a failure
+                log.exception("could not write the audit record")

@@ -1,0 +1,15 @@
+"""Typed application state (aiohttp AppKeys)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from cpn.api.openapi import RouteDoc
+from cpn.core.db import Database
+from cpn.core.kinds import KindRegistry
+from cpn.core.settings import Settings
+
+DB = web.AppKey("db", Database)
+SETTINGS = web.AppKey("settings", Settings)
+KINDS = web.AppKey("kinds", KindRegistry)
+DOCS = web.AppKey("docs", list[RouteDoc])

@@ -1,0 +1,1 @@
+"""Command-line faces: `cpn` (server side) and `cpnctl` (client, HTTP only)."""

@@ -1,0 +1,1 @@
+"""`cpnctl`: the kubectl-style client. Speaks only HTTP (through :mod:`cpn.client`)."""

@@ -1,0 +1,77 @@
+"""Contexts in `~/.cpn/config` (mode 0600), overridable by flags and CPN_SERVER / CPN_TOKEN."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+
+
+class ContextEntry(BaseModel):
+    name: str
+    server: str
+    token: str | None = None
+
+
+class ConfigFile(BaseModel):
+    current_context: str | None = Field(default=None, alias="currentContext")
+    contexts: list[ContextEntry] = Field(default_factory=list)
+
+    model_config = {"populate_by_name": True}
+
+    def find(self, name: str) -> ContextEntry | None:
+        return next((c for c in self.contexts if c.name == name), None)
+
+
+def config_path() -> Path:
+    return Path(os.environ.get("CPN_CONFIG") or Path.home() / ".cpn" / "config")
+
+
+class ConfigError(Exception):
+    pass
+
+
+def load() -> ConfigFile:
+    path = config_path()
+    if not path.exists():
+        return ConfigFile()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        return ConfigFile.model_validate(data)
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise ConfigError(f"{path} is not a valid cpnctl config: {str(exc).splitlines()[0]}") from exc
+
+
+def save(cfg: ConfigFile) -> None:
+    path = config_path()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data: dict[str, Any] = cfg.model_dump(by_alias=True, exclude_none=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        yaml.safe_dump(data, fh, sort_keys=False)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+@dataclass
+class Target:
+    server: str | None
+    token: str | None
+
+
+def resolve(server: str | None, token: str | None, context: str | None) -> Target:
+    """Flags beat environment, environment beats the selected context."""
+    cfg = load()
+    name = context or cfg.current_context
+    entry = cfg.find(name) if name else None
+    if context and entry is None:
+        raise ConfigError(f"context {context!r} not found in {config_path()}")
+    return Target(
+        server=server or os.environ.get("CPN_SERVER") or (entry.server if entry else None),
+        token=token or os.environ.get("CPN_TOKEN") or (entry.token if entry else None),
+    )

@@ -1,0 +1,43 @@
+"""Per-invocation state: where to connect, the client, and the kind discovery."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+from cpn.cli.ctl import config
+from cpn.client import ApiError, Client
+
+
+@dataclass
+class Ctx:
+    server: str | None
+    token: str | None
+    context: str | None
+    _client: Client | None = None
+    _kinds: list[dict[str, Any]] | None = field(default=None)
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            target = config.resolve(self.server, self.token, self.context)
+            self._client = Client(target.server or "", target.token)
+        return self._client
+
+    def kinds(self) -> list[dict[str, Any]]:
+        if self._kinds is None:
+            self._kinds = self.client.get("/api/v1/kinds")["items"]
+        return self._kinds
+
+    def kind(self, name: str) -> dict[str, Any]:
+        lowered = name.lower()
+        for kind in self.kinds():
+            if lowered in {kind["kind"].lower(), kind["singular"], kind["plural"], *kind["shortNames"]}:
+                return kind
+        known = ", ".join(sorted(k["plural"] for k in self.kinds()))
+        raise ApiError(0, "unknown_kind", f'the server doesn\'t have a resource type "{name}" (known: {known})')
+
+
+pass_ctx = click.make_pass_decorator(Ctx)

@@ -1,0 +1,127 @@
+"""Printers: table / wide from the server's printer columns, json, yaml."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+import yaml
+
+PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
+
+
+def dig(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        if isinstance(obj, dict):
+            obj = obj.get(part)
+        else:
+            return None
+    return obj
+
+
+def age(value: Any) -> str:
+    if not value:
+        return "<unknown>"
+    try:
+        then = datetime.fromisoformat(str(value))
+    except ValueError:
+        return "<unknown>"
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
+    seconds = max(0, int((datetime.now(UTC) - then).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def render_cell(item: dict[str, Any], column: dict[str, Any]) -> str:
+    template = column["template"]
+    if column.get("format") == "age":
+        return age(dig(item, template.strip("{}")))
+
+    def sub(match: re.Match[str]) -> str:
+        value = dig(item, match.group(1))
+        if value is None or value == "":
+            return "-"
+        if isinstance(value, list):
+            return ",".join(str(v) for v in value) or "-"
+        return str(value)
+
+    return PLACEHOLDER.sub(sub, template)
+
+
+def table(items: list[dict[str, Any]], columns: list[dict[str, Any]], wide: bool = False) -> str:
+    cols = [c for c in columns if wide or not c.get("wide")]
+    header = ["NAME", *[c["name"] for c in cols]]
+    rows = [[str(dig(it, "metadata.name") or "-"), *[render_cell(it, c) for c in cols]] for it in items]
+    return format_rows(header, rows)
+
+
+def format_rows(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["   ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+             for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+def dump(obj: Any, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(obj, indent=2, default=str)
+    return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False).rstrip()
+
+
+def describe(obj: dict[str, Any]) -> str:
+    """kubectl-describe-like text: nested keys indented, conditions as a table."""
+    lines: list[str] = []
+    meta = obj.get("metadata", {})
+    lines.append(f"Name:         {meta.get('name')}")
+    lines.append(f"Kind:         {obj.get('kind')}")
+    if meta.get("labels"):
+        lines.append("Labels:       " + ",".join(f"{k}={v}" for k, v in meta["labels"].items()))
+    lines.append(f"Created:      {meta.get('creationTimestamp')}  ({age(meta.get('creationTimestamp'))} ago)")
+    lines.append(f"Version:      {meta.get('resourceVersion')}")
+    for section in ("spec", "status"):
+        value = dict(obj.get(section) or {})
+        conditions = value.pop("conditions", None) if section == "status" else None
+        if value:
+            lines.append(f"{section.capitalize()}:")
+            lines.extend(_nested(value, 2))
+        if conditions:
+            lines.append("Conditions:")
+            rows = [[c.get("type", ""), c.get("status", ""), c.get("reason") or "", c.get("message") or ""]
+                    for c in conditions]
+            lines.extend("  " + line for line in format_rows(["TYPE", "STATUS", "REASON", "MESSAGE"], rows)
+                         .splitlines())
+    for extra in ("events",):
+        if obj.get(extra):
+            lines.append("Events:")
+            rows = [[age(e.get("at")), e.get("type", ""), e.get("reason", ""), e.get("message", "")]
+                    for e in obj[extra]]
+            lines.extend("  " + line for line in format_rows(["AGE", "TYPE", "REASON", "MESSAGE"], rows)
+                         .splitlines())
+    return "\n".join(lines)
+
+
+def _nested(value: Any, indent: int) -> list[str]:
+    pad = " " * indent
+    out: list[str] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, dict | list) and v:
+                out.append(f"{pad}{k}:")
+                out.extend(_nested(v, indent + 2))
+            else:
+                out.append(f"{pad}{k}: {v}")
+    elif isinstance(value, list):
+        for v in value:
+            if isinstance(v, dict):
+                sub = _nested(v, indent + 2)
+                if sub:
+                    sub[0] = pad + "- " + sub[0].lstrip()
+                out.extend(sub)
+            else:
+                out.append(f"{pad}- {v}")
+    return out

@@ -1,0 +1,1 @@
+"""The core every layer stands on: settings, database, errors, manifests, kinds."""

@@ -1,0 +1,143 @@
+"""The one place that opens database engines and sessions.
+
+SQLAlchemy 2.x async ORM: aiosqlite for the embedded default, asyncpg for PostgreSQL. The
+schema exists only through Alembic migrations (see :mod:`cpn.core.migrate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Integer, MetaData, event
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
+from sqlalchemy.orm.exc import StaleDataError
+
+from cpn.core import errors
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_uid() -> str:
+    return str(uuid.uuid4())
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Tracked:
+    """created_at / updated_at and `resource_version` for optimistic concurrency.
+
+    SQLAlchemy's version counter makes a concurrent UPDATE of a stale row fail with
+    StaleDataError, which the session scope turns into 409.
+    """
+
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow, nullable=False
+    )
+    resource_version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+
+    @declared_attr.directive
+    def __mapper_args__(cls) -> dict[str, Any]:  # noqa: N805 - SQLAlchemy directive
+        return {"version_id_col": cls.__table__.c.resource_version}
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite returns naive datetimes; everything CPN stores is UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
+class Database:
+    """Engine + session factory. Use :meth:`session` for one transaction per request."""
+
+    def __init__(self, url: str, *, echo: bool = False):
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        kwargs: dict[str, Any] = {"echo": echo}
+        if self.is_sqlite:
+            kwargs["connect_args"] = {"timeout": 30}
+        else:
+            kwargs.update(pool_size=20, max_overflow=40, pool_pre_ping=True)
+        self.engine: AsyncEngine = create_async_engine(url, **kwargs)
+        if self.is_sqlite:
+            event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
+        self.sessionmaker = async_sessionmaker(self.engine, expire_on_commit=False)
+        self._sqlite_write_lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[AsyncSession]:
+        """One transaction: commit on success, roll back on any error, map DB errors."""
+        async with self.sessionmaker() as session:
+            try:
+                yield session
+                await session.commit()
+            except errors.CPNError:
+                await session.rollback()
+                raise
+            except StaleDataError as exc:
+                await session.rollback()
+                raise errors.StaleVersion(
+                    "the object was changed by someone else; re-read it and retry",
+                    field="metadata.resourceVersion",
+                ) from exc
+            except IntegrityError as exc:
+                await session.rollback()
+                raise errors.Conflict(f"conflicts with existing data: {_short(exc)}") from exc
+            except DBAPIError as exc:
+                await session.rollback()
+                if _is_serialization_failure(exc):
+                    raise errors.Conflict("concurrent update; retry the request") from exc
+                raise
+
+    @contextlib.asynccontextmanager
+    async def serialized(self) -> AsyncIterator[None]:
+        """Serialise a critical section on SQLite (PostgreSQL uses row locks instead)."""
+        if self.is_sqlite:
+            async with self._sqlite_write_lock:
+                yield
+        else:
+            yield
+
+    async def dispose(self) -> None:
+        await self.engine.dispose()
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def _short(exc: Exception) -> str:
+    text = str(getattr(exc, "orig", exc)).splitlines()[0]
+    return text[:200]
+
+
+def _is_serialization_failure(exc: DBAPIError) -> bool:
+    text = str(exc.orig).lower()
+    return "deadlock" in text or "could not serialize" in text or "database is locked" in text

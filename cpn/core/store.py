@@ -1,0 +1,279 @@
+"""Generic storage of manifests: list/get/create/replace/patch/delete/apply over one table.
+
+Each kind's table has the columns of :class:`ResourceRow`; a layer subclasses
+:class:`ResourceStore` and overrides the hooks (`prepare`, `before_delete`, `redact`,
+`visible`) for its own rules. Every method runs inside the caller's session, so one API request
+is one transaction.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from datetime import datetime
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import ForeignKey, String, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Mapped, declared_attr, mapped_column
+
+from cpn.core import errors
+from cpn.core.db import JSONType, Tracked, as_utc, new_uid
+from cpn.core.principal import Principal, Role
+
+
+class ResourceRow(Tracked):
+    """Columns shared by every manifest table."""
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uid)
+    name: Mapped[str] = mapped_column(String(63), unique=True, nullable=False)
+    labels: Mapped[dict[str, str]] = mapped_column(JSONType, default=dict, nullable=False)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict, nullable=False)
+    status: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict, nullable=False)
+
+    @declared_attr
+    def owner_id(cls) -> Mapped[str]:  # noqa: N805 - SQLAlchemy declared_attr
+        return mapped_column(String(36), ForeignKey("accounts.id", ondelete="RESTRICT"), index=True)
+
+
+
+
+def parse_selector(text: str | None) -> list[tuple[str, str, str | None]]:
+    """`a=b,c!=d,e` → [(a, '=', b), (c, '!=', d), (e, 'exists', None)]."""
+    out: list[tuple[str, str, str | None]] = []
+    for term in filter(None, (t.strip() for t in (text or "").split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            out.append((key.strip(), "!=", value.strip()))
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            out.append((key.strip(), "=", value.strip()))
+        else:
+            out.append((term, "exists", None))
+    for key, _, _ in out:
+        if not key:
+            raise errors.InvalidInput("empty key in label selector", field="labelSelector")
+    return out
+
+
+def matches(labels: dict[str, str], selector: list[tuple[str, str, str | None]]) -> bool:
+    for key, op, value in selector:
+        if op == "=" and labels.get(key) != value:
+            return False
+        if op == "!=" and labels.get(key) == value:
+            return False
+        if op == "exists" and key not in labels:
+            return False
+    return True
+
+
+def encode_continue(name: str) -> str:
+    return base64.urlsafe_b64encode(name.encode()).decode()
+
+
+def decode_continue(token: str | None) -> str | None:
+    if not token:
+        return None
+    try:
+        return base64.urlsafe_b64decode(token.encode()).decode()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.InvalidInput("not a continue token from this server", field="continue") from exc
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def validate(model: type[BaseModel], body: Any) -> BaseModel:
+    if not isinstance(body, dict):
+        raise errors.InvalidInput("a manifest must be a JSON object", field=None)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise errors.from_validation_error(exc) from exc
+
+
+class ResourceStore:
+    """CRUD over one manifest table. Subclasses set `row`, `manifest`, `kind` and hooks."""
+
+    kind: ClassVar[str]
+    row: ClassVar[type[ResourceRow]]
+    manifest: ClassVar[type[BaseModel]]
+    create_roles: ClassVar[frozenset[Role]] = frozenset({Role.ADMIN})
+    not_found_hides: ClassVar[bool] = False  # 404 instead of 403 for invisible objects
+
+    # ---- hooks -------------------------------------------------------------------------
+    async def prepare(self, session: AsyncSession, principal: Principal, obj: BaseModel,
+                      row: ResourceRow | None) -> None:
+        """Check references and rules before a create (row None) or replace; raise to refuse."""
+
+    async def before_delete(self, session: AsyncSession, principal: Principal, row: ResourceRow) -> None:
+        """Raise InUse if something still depends on the object."""
+
+    def visible(self, principal: Principal, row: ResourceRow) -> bool:
+        return True
+
+    def redact(self, principal: Principal, row: ResourceRow, spec: dict[str, Any]) -> dict[str, Any]:
+        return spec
+
+    def derive(self, row: ResourceRow, obj: BaseModel) -> None:
+        """Fill kind-specific columns from the validated manifest."""
+
+    def initial_status(self, obj: BaseModel) -> dict[str, Any]:
+        return {}
+
+    def status_view(self, row: ResourceRow, now: datetime | None = None) -> dict[str, Any]:
+        return dict(row.status or {})
+
+    # ---- reads -------------------------------------------------------------------------
+    def to_manifest(self, principal: Principal, row: ResourceRow) -> dict[str, Any]:
+        spec = self.redact(principal, row, copy.deepcopy(row.spec or {}))
+        return {
+            "apiVersion": "cpn/v1",
+            "kind": self.kind,
+            "metadata": {
+                "name": row.name,
+                "labels": row.labels or {},
+                "resourceVersion": str(row.resource_version),
+                "uid": row.id,
+                "creationTimestamp": as_utc(row.created_at).isoformat(),
+                "owner": row.owner_id,
+            },
+            "spec": spec,
+            "status": self.status_view(row),
+        }
+
+    async def find(self, session: AsyncSession, name: str, *, lock: bool = False) -> ResourceRow | None:
+        stmt = select(self.row).where(self.row.name == name)
+        if lock:
+            stmt = stmt.with_for_update()
+        return (await session.execute(stmt)).scalar_one_or_none()
+
+    async def load(self, session: AsyncSession, principal: Principal, name: str,
+                   *, lock: bool = False) -> ResourceRow:
+        row = await self.find(session, name, lock=lock)
+        if row is None or (self.not_found_hides and not self.visible(principal, row)):
+            raise errors.NotFound(f"{self.kind} {name!r} not found")
+        if not self.visible(principal, row):
+            raise errors.Forbidden(f"{self.kind} {name!r} is not yours")
+        return row
+
+    async def get(self, session: AsyncSession, principal: Principal, name: str) -> dict[str, Any]:
+        return self.to_manifest(principal, await self.load(session, principal, name))
+
+    async def list(self, session: AsyncSession, principal: Principal, *, selector: str | None = None,
+                   limit: int | None = None, continue_token: str | None = None,
+                   filters: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str | None]:
+        terms = parse_selector(selector)
+        after = decode_continue(continue_token)
+        stmt = select(self.row).order_by(self.row.name)
+        if after:
+            stmt = stmt.where(self.row.name > after)
+        stmt = self.filter_query(stmt, principal, filters or {})
+        items: list[dict[str, Any]] = []
+        last: str | None = None
+        for row in (await session.execute(stmt)).scalars():
+            if not self.visible(principal, row) or not matches(row.labels or {}, terms):
+                continue
+            if limit is not None and len(items) >= limit:
+                return items, encode_continue(last or "")
+            items.append(self.to_manifest(principal, row))
+            last = row.name
+        return items, None
+
+    def filter_query(self, stmt: Any, principal: Principal, filters: dict[str, str]) -> Any:
+        return stmt
+
+    # ---- writes ------------------------------------------------------------------------
+    def authorize_write(self, principal: Principal, row: ResourceRow | None) -> None:
+        if principal.role not in self.create_roles and not principal.is_admin:
+            raise errors.Forbidden(f"role {principal.role.value!r} may not change {self.kind} objects")
+        if row is not None and not principal.owns(row.owner_id):
+            raise errors.Forbidden(f"{self.kind} {row.name!r} belongs to another account")
+
+    async def create(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
+        obj = self.parse(body)
+        self.authorize_write(principal, None)
+        if await self.find(session, obj.metadata.name) is not None:
+            raise errors.AlreadyExists(f"{self.kind} {obj.metadata.name!r} already exists", field="metadata.name")
+        await self.prepare(session, principal, obj, None)
+        row = self.row(name=obj.metadata.name, owner_id=principal.account_id)
+        self._fill(row, obj)
+        row.status = self.initial_status(obj)
+        session.add(row)
+        await session.flush()
+        return self.to_manifest(principal, row)
+
+    async def replace(self, session: AsyncSession, principal: Principal, name: str, body: Any,
+                      *, check_version: bool = True) -> dict[str, Any]:
+        obj = self.parse(body)
+        if obj.metadata.name != name:
+            raise errors.InvalidInput(f"name {obj.metadata.name!r} does not match the URL's {name!r}",
+                                      field="metadata.name")
+        row = await self.load(session, principal, name, lock=True)
+        self.authorize_write(principal, row)
+        wanted = obj.metadata.resource_version
+        if check_version and wanted is not None and wanted != str(row.resource_version):
+            raise errors.StaleVersion(
+                f"{self.kind} {name!r} is at resourceVersion {row.resource_version}, not {wanted}; "
+                "re-read it and retry", field="metadata.resourceVersion")
+        await self.prepare(session, principal, obj, row)
+        self._fill(row, obj)
+        await session.flush()
+        return self.to_manifest(principal, row)
+
+    async def patch(self, session: AsyncSession, principal: Principal, name: str, patch: Any) -> dict[str, Any]:
+        if not isinstance(patch, dict):
+            raise errors.InvalidInput("a merge patch must be a JSON object")
+        row = await self.load(session, principal, name)
+        current = {"apiVersion": "cpn/v1", "kind": self.kind,
+                   "metadata": {"name": row.name, "labels": row.labels or {}},
+                   "spec": copy.deepcopy(row.spec)}
+        merged = merge_patch(current, {k: v for k, v in patch.items() if k != "status"})
+        version = (patch.get("metadata") or {}).get("resourceVersion")
+        merged["metadata"].pop("resourceVersion", None)
+        if version is not None:
+            merged["metadata"]["resourceVersion"] = version
+        return await self.replace(session, principal, name, merged)
+
+    async def delete(self, session: AsyncSession, principal: Principal, name: str) -> None:
+        row = await self.load(session, principal, name, lock=True)
+        self.authorize_write(principal, row)
+        await self.before_delete(session, principal, row)
+        await session.delete(row)
+        await session.flush()
+
+    async def apply(self, session: AsyncSession, principal: Principal, body: Any) -> tuple[str, dict[str, Any]]:
+        """Create or replace (kubectl apply); returns ("created"|"configured", manifest)."""
+        obj = self.parse(body)
+        if await self.find(session, obj.metadata.name) is None:
+            return "created", await self.create(session, principal, body)
+        return "configured", await self.replace(session, principal, obj.metadata.name, body)
+
+    def parse(self, body: Any) -> BaseModel:
+        if isinstance(body, dict):
+            body = {k: v for k, v in body.items() if k != "status"}
+            meta = body.get("metadata")
+            if isinstance(meta, dict):
+                body["metadata"] = {k: v for k, v in meta.items()
+                                    if k not in ("uid", "creationTimestamp", "owner")}
+            if body.get("kind") not in (None, self.kind):
+                raise errors.InvalidInput(f"kind must be {self.kind!r}", field="kind")
+            body.setdefault("kind", self.kind)
+        return validate(self.manifest, body)
+
+    def _fill(self, row: ResourceRow, obj: BaseModel) -> None:
+        wire = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
+        row.labels = wire["metadata"].get("labels", {})
+        row.spec = wire.get("spec", {})
+        self.derive(row, obj)

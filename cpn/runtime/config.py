@@ -1,0 +1,126 @@
+"""The training job's configuration: one typed, nested pydantic model.
+
+The orchestrator hands it to every worker as JSON in ``CPN_TRAIN_CONFIG``; ``cpn train`` builds it
+from flags. Validation errors name the field and say how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ENV_TRAIN_CONFIG = "CPN_TRAIN_CONFIG"
+ENV_METRICS_URL = "CPN_METRICS_URL"
+ENV_METRICS_TOKEN = "CPN_METRICS_TOKEN"
+ENV_CHECKPOINT_DIR = "CPN_CHECKPOINT_DIR"
+ENV_RUN_DIR = "CPN_RUN_DIR"
+ENV_REJOIN = "CPN_REJOIN"
+
+StrategyName = Literal["ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps"]
+Compression = Literal["none", "fp16", "bf16", "int8"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StrategyConfig(_Model):
+    """Knobs of the cross-site strategy; each strategy reads the ones it needs."""
+
+    name: StrategyName = "ddp"
+    inner_steps: int = Field(100, ge=1, description="H: inner steps between outer syncs (diloco, local_sgd, gossip)")
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    compression: Compression = "none"
+    overlap: bool = False
+    staleness: int = Field(4, ge=0, description="ssp: max steps a site may run ahead of the slowest")
+    ps: int = Field(1, ge=1, description="async_ps: number of parameter-server shards")
+    gossip_neighbours: int = Field(1, ge=1, le=2)
+    wan_timeout_seconds: float = Field(60.0, gt=0, description="a WAN exchange slower than this marks a site dead")
+
+    @model_validator(mode="after")
+    def _check(self) -> StrategyConfig:
+        if self.overlap and self.name not in ("diloco", "local_sgd"):
+            raise ValueError(f"overlap is only for diloco/local_sgd, not {self.name!r}: drop --overlap")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=false")
+        return self
+
+
+class FaultConfig(_Model):
+    slow_site: int | None = Field(None, ge=0)
+    slowdown: float = Field(1.0, ge=1.0, description="the slow site computes this many times slower")
+    kill_site: int | None = Field(None, ge=0)
+    kill_at_step: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> FaultConfig:
+        if (self.kill_site is None) != (self.kill_at_step is None):
+            raise ValueError("kill_site and kill_at_step go together: give both --kill-site K --at-step N")
+        if self.slowdown > 1 and self.slow_site is None:
+            raise ValueError("slowdown without slow_site: add --slow-site K")
+        return self
+
+
+class TrainConfig(_Model):
+    model: str = "small"
+    tokens: int = Field(2_000_000, gt=0, description="token budget over all workers")
+    global_batch_tokens: int = Field(16_384, gt=0)
+    seq_len: int = Field(128, ge=8)
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    warmup_fraction: float = Field(0.05, ge=0, lt=1)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    strategy: StrategyConfig = StrategyConfig()
+    faults: FaultConfig = FaultConfig()
+    val_every: int = Field(50, ge=1, description="evaluate every N steps (rank 0)")
+    val_batches: int = Field(8, ge=1)
+    seed: int = 0
+    corpus_bytes: int = Field(8_000_000, ge=1_000_000)
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0 = off); diloco rounds up to outer steps")
+    checkpoint_dir: str | None = None
+    resume: str | None = None
+    stop_at_step: int | None = Field(None, ge=1, description="stop early (simulates an interrupted run)")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        from cpn.runtime.model import PRESETS
+
+        if self.model not in PRESETS:
+            raise ValueError(f"unknown model preset {self.model!r}: pick one of {sorted(PRESETS)}")
+        if self.global_batch_tokens % self.seq_len:
+            raise ValueError(
+                f"global_batch_tokens {self.global_batch_tokens} is not a multiple of seq_len {self.seq_len}: "
+                f"use {self.global_batch_tokens // self.seq_len * self.seq_len or self.seq_len}"
+            )
+        if self.tokens < self.global_batch_tokens:
+            raise ValueError(f"tokens {self.tokens} is less than one global batch: raise --tokens")
+        return self
+
+    def sequences_per_worker(self, workers: int) -> int:
+        seqs = self.global_batch_tokens // self.seq_len
+        if seqs % workers:
+            raise ValueError(
+                f"global batch of {seqs} sequences does not split over {workers} workers: "
+                f"make global_batch_tokens a multiple of {workers * self.seq_len}"
+            )
+        return seqs // workers
+
+    @property
+    def total_steps(self) -> int:
+        return self.tokens // self.global_batch_tokens
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV_TRAIN_CONFIG: self.model_dump_json()}
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> TrainConfig:
+        env = os.environ if environ is None else environ
+        raw = env.get(ENV_TRAIN_CONFIG)
+        if not raw:
+            raise ValueError(f"{ENV_TRAIN_CONFIG} is not set: export the training config as JSON")
+        return cls.model_validate(json.loads(raw))

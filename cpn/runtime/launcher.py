@@ -1,0 +1,300 @@
+"""Start S x W worker processes on this machine with a torchrun-compatible environment.
+
+Each worker is ``python -m cpn.runtime.launcher`` with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``CPN_TOPOLOGY`` set; it imports the
+entry point, calls it, and pickles the return value back.  An entry point is a callable defined at
+module level (``pkg.mod:func`` works too), or a bare module path run like ``python -m pkg.mod args``.
+
+With a WAN rate (``wan_mbps`` or the topology's), every site runs in its own network namespace
+behind shaped veths (:class:`cpn.runtime.netem.WanEmulator`); the emulation is torn down on return,
+on an exception, on Ctrl-C and on SIGTERM.  A failing worker does not hang the launch: the others
+get ``failure_grace`` seconds to notice, then they are killed; the whole launch has a ``timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from cpn.runtime.netem import WanEmulator
+from cpn.runtime.topology import Topology
+
+__all__ = ["LaunchError", "LaunchTimeout", "WorkerFailed", "WorkerResult", "free_port", "launch"]
+
+ENV_SPEC = "CPN_LAUNCH_SPEC"
+ENV_RESULT = "CPN_LAUNCH_RESULT"
+
+
+class LaunchError(RuntimeError):
+    """A launch did not complete; ``results`` holds what each worker did."""
+
+    def __init__(self, message: str, results: list[WorkerResult]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+class WorkerFailed(LaunchError):
+    """At least one worker exited non-zero."""
+
+
+class LaunchTimeout(LaunchError):
+    """The workers did not finish within the launch timeout."""
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    site: int
+    exit_code: int | None
+    result: Any = None
+    log: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _entry_ref(entrypoint: Callable[..., Any] | str) -> str:
+    if isinstance(entrypoint, str):
+        return entrypoint
+    module, qualname = entrypoint.__module__, entrypoint.__qualname__
+    if module == "__main__" or "<locals>" in qualname:
+        raise ValueError(
+            f"entry point {qualname} must be importable: define it at module level in an importable module"
+        )
+    return f"{module}:{qualname}"
+
+
+@dataclass
+class _Worker:
+    rank: int
+    site: int
+    proc: subprocess.Popen[bytes]
+    result_path: Path
+    log_path: Path | None
+
+
+def _worker_env(topology: Topology, rank: int, port: int, master: str, extra: Mapping[str, str]) -> dict[str, str]:
+    site = topology.site_of(rank)
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **extra}
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(topology.world_size),
+        LOCAL_RANK=str(topology.local_rank(rank)),
+        LOCAL_WORLD_SIZE=str(topology.sites[site].ranks),
+        GROUP_RANK=str(site),
+        MASTER_ADDR=master,
+        MASTER_PORT=str(port),
+        PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+        **topology.to_env(),
+    )
+    return env
+
+
+def _argv(ref: str, args: Sequence[Any] | Mapping[str, Any]) -> list[str]:
+    if ":" in ref:
+        return [sys.executable, "-m", "cpn.runtime.launcher"]
+    return [sys.executable, "-m", ref, *map(str, args)]
+
+
+def _start(
+    topology: Topology,
+    ref: str,
+    args: Sequence[Any] | Mapping[str, Any],
+    rundir: Path,
+    wan: WanEmulator | None,
+    env: Mapping[str, str],
+    capture: bool,
+) -> list[_Worker]:
+    spec = rundir / "spec.pkl"
+    spec.write_bytes(pickle.dumps({"entry": ref, "args": args}))
+    port = free_port()
+    master = wan.master_addr if wan else "127.0.0.1"
+    workers = []
+    for rank in range(topology.world_size):
+        site = topology.site_of(rank)
+        extra = {**env, ENV_SPEC: str(spec), ENV_RESULT: str(rundir / f"result{rank}.pkl")}
+        if wan:
+            extra.update(wan.env(site))
+        argv = _argv(ref, args)
+        argv = wan.wrap(site, argv) if wan else argv
+        log_path = rundir / f"rank{rank}.log" if capture else None
+        out = open(log_path, "wb") if log_path else None  # noqa: SIM115 - closed by the child's exit
+        proc = subprocess.Popen(
+            argv, env=_worker_env(topology, rank, port, master, extra), stdout=out, stderr=out,
+            start_new_session=True,
+        )
+        if out:
+            out.close()
+        workers.append(_Worker(rank, site, proc, Path(extra[ENV_RESULT]), log_path))
+    return workers
+
+
+def _kill(workers: list[_Worker], grace: float = 3.0) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for w in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        if w.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            w.proc.wait()
+
+
+def _wait(workers: list[_Worker], timeout: float, failure_grace: float) -> str | None:
+    """Poll until all exit; returns why it gave up (timeout / failure), or None when all finished."""
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while any(w.proc.poll() is None for w in workers):
+        now = time.monotonic()
+        if failed_at is None and any(w.proc.returncode not in (None, 0) for w in workers):
+            failed_at = now
+        if failed_at is not None and now - failed_at > failure_grace:
+            return "failure"
+        if now > deadline:
+            return "timeout"
+        time.sleep(0.05)
+    return None
+
+
+def _collect(workers: list[_Worker]) -> list[WorkerResult]:
+    results = []
+    for w in workers:
+        value = pickle.loads(w.result_path.read_bytes()) if w.result_path.exists() else None
+        log = w.log_path.read_text(errors="replace")[-4000:] if w.log_path and w.log_path.exists() else ""
+        results.append(WorkerResult(w.rank, w.site, w.proc.returncode, value, log))
+    return results
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit so ``finally`` blocks tear the emulation down."""
+    if sys.platform == "win32" or not _main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _seconds(t: float | timedelta) -> float:
+    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+def launch(
+    topology: Topology,
+    entrypoint: Callable[..., Any] | str,
+    args: Sequence[Any] | Mapping[str, Any] = (),
+    wan_mbps: float | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float | timedelta = timedelta(minutes=30),
+    failure_grace: float = 10.0,
+    capture_output: bool = False,
+    check: bool = True,
+    per_link: bool = True,
+) -> list[WorkerResult]:
+    """Run ``entrypoint`` on ``topology.world_size`` local processes; results in rank order.
+
+    ``args`` is passed as ``*args`` (a sequence) or ``**kwargs`` (a mapping) to a callable, or as
+    command-line words to a module.  ``wan_mbps`` (default: the topology's) turns on WAN emulation,
+    which needs root.  ``check`` raises :class:`WorkerFailed`/:class:`LaunchTimeout` with the
+    workers' results (``capture_output`` keeps each worker's log tail in them).
+    """
+    ref = _entry_ref(entrypoint)
+    rate = wan_mbps or topology.wan_mbps
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_sigterm_as_exit())
+        rundir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cpn-launch-")))
+        wan = stack.enter_context(WanEmulator(topology, rate, per_link=per_link)) if rate else None
+        workers = _start(topology, ref, args, rundir, wan, env or {}, capture_output)
+        try:
+            why = _wait(workers, _seconds(timeout), failure_grace)
+        finally:
+            _kill(workers)
+        results = _collect(workers)
+    if check:
+        _raise_for(why, results, timeout)
+    return results
+
+
+def _raise_for(why: str | None, results: list[WorkerResult], timeout: float | timedelta) -> None:
+    bad = [r for r in results if not r.ok]
+    if why == "timeout":
+        raise LaunchTimeout(f"workers did not finish within {_seconds(timeout):.0f}s; raise the timeout", results)
+    if bad:
+        first = bad[0]
+        tail = f":\n{first.log[-2000:]}" if first.log else " (see its stderr above)"
+        raise WorkerFailed(
+            f"{len(bad)} of {len(results)} workers failed; rank {first.rank} exited {first.exit_code}{tail}", results
+        )
+
+
+# ---------------------------------------------------------------------------- worker side
+def _resolve(ref: str) -> Callable[..., Any]:
+    module, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker_main() -> int:
+    spec = pickle.loads(Path(os.environ[ENV_SPEC]).read_bytes())
+    fn = _resolve(spec["entry"])
+    args = spec["args"]
+    try:
+        value = fn(**args) if isinstance(args, Mapping) else fn(*args)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    Path(os.environ[ENV_RESULT]).write_bytes(pickle.dumps(value))
+    _leave_job()
+    return 0
+
+
+def _leave_job() -> None:
+    """Destroy a process group the entry point left open: exiting with live Gloo pairs can abort."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())

@@ -1,0 +1,178 @@
+"""Per-rank training metrics: JSON lines on disk and, optionally, batches POSTed over HTTP.
+
+A report is one flat dict in the wire shape the orchestrator reads (camelCase keys):
+``{rank, site, step, tokens, trainLoss, valLoss, tokensPerSecond, computeSeconds, commSeconds,
+waitSeconds, intraBytes, wanBytes, gpuSeconds, final, wallSeconds}``. Sinks never raise into the
+training loop: a sink that fails logs once and keeps going.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class MetricsSink(Protocol):
+    def emit(self, report: dict[str, Any]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FileSink:
+    """One JSON line per report, flushed on every final report and every ``flush``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = self.path.open("a", encoding="utf-8")
+
+    def emit(self, report: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(report, separators=(",", ":")) + "\n")
+        if report.get("final"):
+            self.flush()
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class HttpSink:
+    """POSTs ``{"reports": [...]}`` with a bearer token every ``batch_size`` reports or ``interval`` s."""
+
+    def __init__(self, url: str, token: str | None = None, *, batch_size: int = 20, interval: float = 5.0,
+                 timeout: float = 5.0):
+        self.url, self.token, self.timeout = url, token, timeout
+        self.batch_size, self.interval = batch_size, interval
+        self._pending: list[dict[str, Any]] = []
+        self._last = time.monotonic()
+        self.failures = 0
+
+    def emit(self, report: dict[str, Any]) -> None:
+        self._pending.append(report)
+        if report.get("final") or len(self._pending) >= self.batch_size or time.monotonic() - self._last > self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        body = json.dumps({"reports": self._pending}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                response.read()
+        except Exception as exc:  # the training must not die because the collector is down
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("metrics POST to %s failed (%s); training continues", self.url, exc)
+            if len(self._pending) > 10 * self.batch_size:
+                self._pending = self._pending[-self.batch_size :]
+            return
+        self._pending = []
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+
+
+@dataclass
+class Timers:
+    """Where a rank's wall time went: computing, communicating, or waiting for peers."""
+
+    compute: float = 0.0
+    comm: float = 0.0
+    wait: float = 0.0
+    intra_bytes: int = 0
+    wan_bytes: int = 0
+    _starts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, kind: str, seconds: float) -> None:
+        setattr(self, kind, getattr(self, kind) + seconds)
+
+    def timed(self, kind: str) -> _Timed:
+        return _Timed(self, kind)
+
+
+class _Timed:
+    def __init__(self, timers: Timers, kind: str):
+        self.timers, self.kind = timers, kind
+
+    def __enter__(self) -> _Timed:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timers.add(self.kind, time.perf_counter() - self.t0)
+
+
+class Recorder:
+    """Builds reports for one rank and fans them out to its sinks."""
+
+    def __init__(self, *, rank: int, site: int, sinks: list[MetricsSink]):
+        self.rank, self.site, self.sinks = rank, site, sinks
+        self.t0 = time.perf_counter()
+
+    def report(self, *, step: int, tokens: int, timers: Timers, train_loss: float | None,
+               val_loss: float | None = None, final: bool = False, **extra: Any) -> dict[str, Any]:
+        wall = time.perf_counter() - self.t0
+        report = {
+            "rank": self.rank, "site": self.site, "step": step, "tokens": tokens,
+            "trainLoss": train_loss, "valLoss": val_loss,
+            "tokensPerSecond": tokens / wall if wall > 0 else 0.0,
+            "computeSeconds": round(timers.compute, 4), "commSeconds": round(timers.comm, 4),
+            "waitSeconds": round(timers.wait, 4), "intraBytes": timers.intra_bytes,
+            "wanBytes": timers.wan_bytes, "gpuSeconds": 0.0, "wallSeconds": round(wall, 4),
+            "final": final, **extra,
+        }
+        for sink in self.sinks:
+            try:
+                sink.emit(report)
+            except Exception as exc:  # noqa: BLE001 - a sink never stops training
+                log.warning("metrics sink %r failed: %s", sink, exc)
+        return report
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("metrics sink %r failed to close: %s", sink, exc)
+
+
+def default_sinks(rank: int, run_dir: str | Path | None) -> list[MetricsSink]:
+    sinks: list[MetricsSink] = []
+    if run_dir:
+        sinks.append(FileSink(Path(run_dir) / "metrics" / f"rank{rank}.jsonl"))
+    url = os.environ.get("CPN_METRICS_URL")
+    if url:
+        sinks.append(HttpSink(url, os.environ.get("CPN_METRICS_TOKEN")))
+    return sinks
+
+
+def read_reports(run_dir: str | Path, rank: int = 0) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
+    path = Path(run_dir) / "summary.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, path)
+    return path

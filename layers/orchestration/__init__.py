@@ -1,0 +1,1 @@
+"""Orchestration & management: identity, jobs, scheduling, lifecycle, metrics, events."""

@@ -1,0 +1,1 @@
+"""Alembic migrations: the only way CPN's schema comes to exist."""

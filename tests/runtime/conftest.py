@@ -1,0 +1,25 @@
+"""Shared helpers for runtime tests: run a worker function on S x W real Gloo processes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from cpn.runtime.launcher import launch
+from cpn.runtime.topology import Topology
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="network namespaces, veths and tc qdiscs need root (os.geteuid() != 0)"
+)
+
+
+def run_workers(
+    sites: int, workers_per_site: int, fn: Callable[..., Any], *args: Any, wan_mbps: float | None = None
+) -> list[Any]:
+    """Launch ``fn(*args)`` on every rank of a uniform topology; return each rank's value."""
+    topo = Topology.uniform(sites, workers_per_site)
+    results = launch(topo, fn, args, wan_mbps=wan_mbps, capture_output=True, timeout=120, failure_grace=5)
+    return [r.result for r in results]
