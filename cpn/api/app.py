@@ -25,7 +25,7 @@ def create_app(settings: Settings | None = None, db: Database | None = None, *, 
     )
     app[state.SETTINGS] = settings
     app[state.DB] = db or Database(settings.effective_database_url)
-    app[state.KINDS] = wiring.build_registry()
+    app[state.KINDS] = wiring.build_registry(settings)
     app[state.DOCS] = []
     app[middleware.RATE] = middleware.RateLimiter(settings.rate_limit_per_minute)
     metrics.install(app)

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from aiohttp import web
 
 from cpn.core.kinds import KindRegistry
+from cpn.core.settings import Settings
 from layers.orchestration.identity import kinds as identity_kinds
+from layers.resource import kinds as resource_kinds
 
 
-def build_registry() -> KindRegistry:
+def build_registry(settings: Settings) -> KindRegistry:
     registry = KindRegistry()
     registry.register(identity_kinds.kind())
+    resource_kinds.register(registry, timedelta(seconds=settings.heartbeat_timeout_seconds))
     return registry
 
 
 def setup_layer_routes(app: web.Application) -> None:
     """Routes beyond generic CRUD (heartbeats, quotes, accept, metrics …)."""
+    from cpn.api.routes import resource
+
+    resource.setup(app)

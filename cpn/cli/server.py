@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import click
@@ -118,11 +119,24 @@ def catalog() -> None:
 
 
 def run() -> None:
-    """Entry point that turns CPN errors into one line on stderr."""
+    """Entry point: any failure becomes one line on stderr and exit code 1 (CPN_DEBUG=1 for a traceback)."""
     from cpn.core.errors import CPNError
 
     try:
-        main(standalone_mode=True)
+        main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code or 1)
     except CPNError as exc:
         click.echo(f"error: {exc.message}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the CLI boundary: no traceback reaches a user
+        if os.environ.get("CPN_DEBUG"):
+            raise
+        click.echo(f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True)
         sys.exit(1)

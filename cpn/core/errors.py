@@ -29,6 +29,8 @@ class CPNError(Exception):
     code = "internal"
 
     def __init__(self, message: str, *, field: str | None = None, details: dict[str, Any] | None = None):
+        if field and field not in message and isinstance(self, InvalidInput):
+            message = f"{field}: {message}"
         super().__init__(message)
         self.message = message
         self.field = field

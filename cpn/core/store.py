@@ -114,8 +114,10 @@ class ResourceStore:
 
     # ---- hooks -------------------------------------------------------------------------
     async def prepare(self, session: AsyncSession, principal: Principal, obj: BaseModel,
-                      row: ResourceRow | None) -> None:
-        """Check references and rules before a create (row None) or replace; raise to refuse."""
+                      row: ResourceRow | None) -> dict[str, Any]:
+        """Check references and rules before a create (row None) or replace; raise to refuse.
+        Returns what `derive` needs (resolved ids …)."""
+        return {}
 
     async def before_delete(self, session: AsyncSession, principal: Principal, row: ResourceRow) -> None:
         """Raise InUse if something still depends on the object."""
@@ -126,7 +128,7 @@ class ResourceStore:
     def redact(self, principal: Principal, row: ResourceRow, spec: dict[str, Any]) -> dict[str, Any]:
         return spec
 
-    def derive(self, row: ResourceRow, obj: BaseModel) -> None:
+    def derive(self, row: ResourceRow, obj: BaseModel, refs: dict[str, Any]) -> None:
         """Fill kind-specific columns from the validated manifest."""
 
     def initial_status(self, obj: BaseModel) -> dict[str, Any]:
@@ -206,9 +208,9 @@ class ResourceStore:
         self.authorize_write(principal, None)
         if await self.find(session, obj.metadata.name) is not None:
             raise errors.AlreadyExists(f"{self.kind} {obj.metadata.name!r} already exists", field="metadata.name")
-        await self.prepare(session, principal, obj, None)
+        refs = await self.prepare(session, principal, obj, None)
         row = self.row(name=obj.metadata.name, owner_id=principal.account_id)
-        self._fill(row, obj)
+        self._fill(row, obj, refs)
         row.status = self.initial_status(obj)
         session.add(row)
         await session.flush()
@@ -227,8 +229,8 @@ class ResourceStore:
             raise errors.StaleVersion(
                 f"{self.kind} {name!r} is at resourceVersion {row.resource_version}, not {wanted}; "
                 "re-read it and retry", field="metadata.resourceVersion")
-        await self.prepare(session, principal, obj, row)
-        self._fill(row, obj)
+        refs = await self.prepare(session, principal, obj, row)
+        self._fill(row, obj, refs)
         await session.flush()
         return self.to_manifest(principal, row)
 
@@ -272,8 +274,8 @@ class ResourceStore:
             body.setdefault("kind", self.kind)
         return validate(self.manifest, body)
 
-    def _fill(self, row: ResourceRow, obj: BaseModel) -> None:
+    def _fill(self, row: ResourceRow, obj: BaseModel, refs: dict[str, Any]) -> None:
         wire = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
         row.labels = wire["metadata"].get("labels", {})
         row.spec = wire.get("spec", {})
-        self.derive(row, obj)
+        self.derive(row, obj, refs or {})

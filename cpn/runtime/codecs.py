@@ -23,8 +23,8 @@ __all__ = ["BF16", "CODECS", "FP16", "Codec", "ErrorFeedback", "FloatCodec", "In
 class Codec:
     """Base: fixed-size encoding of float32 vectors whose length is a multiple of ``align``."""
 
-    name: str = ""
-    align: int = 1
+    name: str
+    align: int
 
     def wire_bytes(self, numel: int) -> int:
         raise NotImplementedError
@@ -40,13 +40,14 @@ class Codec:
         return self.decode(self.encode(x), x.numel())
 
 
-@dataclass(frozen=True)
 class FloatCodec(Codec):
     """Cast to a 16-bit float type (fp16 or bf16) for the wire."""
 
-    name: str
-    dtype: torch.dtype
-    align: int = 1
+    align = 1
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name = name
+        self.dtype = dtype
 
     def wire_bytes(self, numel: int) -> int:
         return 2 * numel
@@ -58,16 +59,16 @@ class FloatCodec(Codec):
         return wire.view(self.dtype).float()
 
 
-@dataclass(frozen=True)
 class Int8Codec(Codec):
     """Symmetric int8 with a float32 scale per chunk: ``[int8 values | float32 scales]`` on the wire."""
 
-    chunk: int = 256
-    name: str = "int8"
+    name = "int8"
 
-    @property
-    def align(self) -> int:  # type: ignore[override]
-        return self.chunk
+    def __init__(self, chunk: int = 256) -> None:
+        if chunk < 1:
+            raise ValueError(f"int8 chunk must be positive, got {chunk}; 256 is the default")
+        self.chunk = chunk
+        self.align = chunk
 
     def _check(self, numel: int) -> None:
         if numel % self.chunk:

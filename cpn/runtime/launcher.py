@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cpn.runtime.netem import WanEmulator
 from cpn.runtime.topology import Topology
@@ -86,13 +86,57 @@ def _entry_ref(entrypoint: Callable[..., Any] | str) -> str:
     return f"{module}:{qualname}"
 
 
+class _Forked:
+    """The slice of ``Popen`` the launcher uses, for a child made with ``os.fork``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+
 @dataclass
 class _Worker:
     rank: int
     site: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | _Forked
     result_path: Path
     log_path: Path | None
+
+
+def _fork(env: dict[str, str], log_path: Path | None) -> _Forked:
+    """Fork a worker that shares this process's imports (tests: no 1-2 s torch import per rank)."""
+    pid = os.fork()
+    if pid:
+        return _Forked(pid)
+    code = 1
+    try:
+        os.setsid()
+        if log_path:
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+        os.environ.clear()
+        os.environ.update(env)
+        code = _worker_main()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _worker_env(topology: Topology, rank: int, port: int, master: str, extra: Mapping[str, str]) -> dict[str, str]:
@@ -126,6 +170,7 @@ def _start(
     wan: WanEmulator | None,
     env: Mapping[str, str],
     capture: bool,
+    fork: bool,
 ) -> list[_Worker]:
     spec = rundir / "spec.pkl"
     spec.write_bytes(pickle.dumps({"entry": ref, "args": args}))
@@ -140,15 +185,19 @@ def _start(
         argv = _argv(ref, args)
         argv = wan.wrap(site, argv) if wan else argv
         log_path = rundir / f"rank{rank}.log" if capture else None
-        out = open(log_path, "wb") if log_path else None  # noqa: SIM115 - closed by the child's exit
-        proc = subprocess.Popen(
-            argv, env=_worker_env(topology, rank, port, master, extra), stdout=out, stderr=out,
-            start_new_session=True,
-        )
-        if out:
-            out.close()
+        wenv = _worker_env(topology, rank, port, master, extra)
+        proc = _fork(wenv, log_path) if fork else _popen(argv, wenv, log_path)
         workers.append(_Worker(rank, site, proc, Path(extra[ENV_RESULT]), log_path))
     return workers
+
+
+def _popen(argv: list[str], env: dict[str, str], log_path: Path | None) -> subprocess.Popen[bytes]:
+    out = open(log_path, "wb") if log_path else None  # noqa: SIM115
+    try:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
+    finally:
+        if out:
+            out.close()
 
 
 def _kill(workers: list[_Worker], grace: float = 3.0) -> None:
@@ -229,21 +278,27 @@ def launch(
     capture_output: bool = False,
     check: bool = True,
     per_link: bool = True,
+    start_method: Literal["spawn", "fork"] = "spawn",
 ) -> list[WorkerResult]:
     """Run ``entrypoint`` on ``topology.world_size`` local processes; results in rank order.
 
     ``args`` is passed as ``*args`` (a sequence) or ``**kwargs`` (a mapping) to a callable, or as
     command-line words to a module.  ``wan_mbps`` (default: the topology's) turns on WAN emulation,
     which needs root.  ``check`` raises :class:`WorkerFailed`/:class:`LaunchTimeout` with the
-    workers' results (``capture_output`` keeps each worker's log tail in them).
+    workers' results (``capture_output`` keeps each worker's log tail in them).  ``start_method="fork"``
+    skips the interpreter start and torch import per worker (for tests); it cannot enter a namespace,
+    needs a callable entry point, and must not be used once this process has initialised torch.distributed.
     """
     ref = _entry_ref(entrypoint)
     rate = wan_mbps or topology.wan_mbps
+    fork = start_method == "fork"
+    if fork and (rate or ":" not in ref):
+        raise ValueError("start_method='fork' works only for callables without WAN emulation; use 'spawn'")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_exit())
         rundir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cpn-launch-")))
         wan = stack.enter_context(WanEmulator(topology, rate, per_link=per_link)) if rate else None
-        workers = _start(topology, ref, args, rundir, wan, env or {}, capture_output)
+        workers = _start(topology, ref, args, rundir, wan, env or {}, capture_output, fork)
         try:
             why = _wait(workers, _seconds(timeout), failure_grace)
         finally:

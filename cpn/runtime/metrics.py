@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -98,7 +98,6 @@ class Timers:
     wait: float = 0.0
     intra_bytes: int = 0
     wan_bytes: int = 0
-    _starts: dict[str, float] = field(default_factory=dict)
 
     def add(self, kind: str, seconds: float) -> None:
         setattr(self, kind, getattr(self, kind) + seconds)
@@ -125,6 +124,7 @@ class Recorder:
     def __init__(self, *, rank: int, site: int, sinks: list[MetricsSink]):
         self.rank, self.site, self.sinks = rank, site, sinks
         self.t0 = time.perf_counter()
+        self.curve: list[dict[str, Any]] = []  # the reports that carry a validation loss
 
     def report(self, *, step: int, tokens: int, timers: Timers, train_loss: float | None,
                val_loss: float | None = None, final: bool = False, **extra: Any) -> dict[str, Any]:
@@ -138,6 +138,8 @@ class Recorder:
             "wanBytes": timers.wan_bytes, "gpuSeconds": 0.0, "wallSeconds": round(wall, 4),
             "final": final, **extra,
         }
+        if val_loss is not None:
+            self.curve.append(report)
         for sink in self.sinks:
             try:
                 sink.emit(report)
@@ -176,3 +178,48 @@ def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, path)
     return path
+
+
+def gather_finals(store: Any, expected: list[int], others: list[int], timeout: float = 120.0) -> dict[int, dict[str, Any]]:
+    """Every rank's final report through the job's store: wait for ``expected``, take ``others`` if there."""
+    deadline = time.monotonic() + timeout
+    finals: dict[int, dict[str, Any]] = {}
+    for rank in expected:
+        key = f"cpn/final/{rank}"
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    for rank in sorted(set(expected) | set(others)):
+        key = f"cpn/final/{rank}"
+        if store.check([key]):
+            finals[rank] = json.loads(store.get(key))
+    return finals
+
+
+def summarize(finals: dict[int, dict[str, Any]], curve: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
+    """The run summary: totals over ranks, rank 0's final val loss and validation curve."""
+    reports = list(finals.values())
+    wall = max((r["wallSeconds"] for r in reports), default=0.0)
+    busy = sum(r["wallSeconds"] for r in reports) or 1.0
+    compute = sum(r["computeSeconds"] for r in reports)
+    comm = sum(r["commSeconds"] for r in reports)
+    wait = sum(r["waitSeconds"] for r in reports)
+    rank0 = finals.get(0, {})
+    return {
+        **meta,
+        "wall_seconds": round(wall, 3),
+        "final_val_loss": rank0.get("valLoss"),
+        "initial_val_loss": curve[0]["valLoss"] if curve else None,
+        "tokens": sum(r["tokens"] for r in reports),
+        "wan_bytes": sum(r["wanBytes"] for r in reports),
+        "intra_bytes": sum(r["intraBytes"] for r in reports),
+        "compute_seconds": round(compute, 3),
+        "comm_seconds": round(comm, 3),
+        "wait_seconds": round(wait, 3),
+        "compute_utilization": round(compute / busy, 4),
+        "comm_fraction": round(comm / busy, 4),
+        "finished_ranks": sorted(finals),
+        "val_curve": [
+            {"wall": r["wallSeconds"], "tokens": r.get("jobTokens", r["tokens"]), "step": r["step"], "val": r["valLoss"]}
+            for r in curve if r.get("valLoss") is not None
+        ],
+    }

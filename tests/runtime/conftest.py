@@ -16,10 +16,18 @@ needs_root = pytest.mark.skipif(
 )
 
 
-def run_workers(
+def _run_workers(
     sites: int, workers_per_site: int, fn: Callable[..., Any], *args: Any, wan_mbps: float | None = None
 ) -> list[Any]:
-    """Launch ``fn(*args)`` on every rank of a uniform topology; return each rank's value."""
     topo = Topology.uniform(sites, workers_per_site)
-    results = launch(topo, fn, args, wan_mbps=wan_mbps, capture_output=True, timeout=120, failure_grace=5)
+    method = "spawn" if wan_mbps else "fork"
+    results = launch(
+        topo, fn, args, wan_mbps=wan_mbps, capture_output=True, timeout=120, failure_grace=5, start_method=method
+    )
     return [r.result for r in results]
+
+
+@pytest.fixture
+def run_workers() -> Callable[..., list[Any]]:
+    """``run_workers(S, W, fn, *args, wan_mbps=None)``: ``fn(*args)`` on every rank; each rank's value."""
+    return _run_workers

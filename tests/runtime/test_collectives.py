@@ -14,11 +14,9 @@ import torch.distributed as dist
 from cpn.runtime.bucketing import make_buckets
 from cpn.runtime.codecs import BF16, FP16, ErrorFeedback, Int8Codec, get_codec
 from cpn.runtime.collectives import allreduce, parse_algorithm
-from cpn.runtime.groups import init_groups, shutdown
+from cpn.runtime.groups import current_groups, init_groups, shutdown
 
-from .conftest import run_workers
-
-SHAPES = [[], [0], [1], [7, 13, 1], [1001, 0, 3, 257], [(5, 9), 2051]]
+SHAPES = [[], [0, 1], [7, 13, 1], [1001, 0, 3, 257, (5, 9)]]
 CASES = [
     (alg, comp) for alg in ("flat", "hierarchical", "leader") for comp in (None, "fp16", "bf16", "int8")
 ]
@@ -30,14 +28,20 @@ def _tensors(shapes: list, seed: int) -> list[torch.Tensor]:
     return [torch.randn(s if isinstance(s, tuple) else (s,), generator=gen) for s in shapes]
 
 
-def _check_case(alg: str, comp: str | None, shapes: list, bucket_bytes: int, op: str) -> str | None:
-    rank = dist.get_rank()
-    mine = _tensors(shapes, seed=1000 + rank)
-    expected = [t.clone() for t in mine]
+def _reference(shapes: list, op: str) -> list[torch.Tensor]:
+    """torch's all-reduce over the default group: the ground truth."""
+    expected = _tensors(shapes, seed=1000 + dist.get_rank())
     for t in expected:
         dist.all_reduce(t)
         if op == "avg":
             t.div_(dist.get_world_size())
+    return expected
+
+
+def _check_case(
+    alg: str, comp: str | None, shapes: list, expected: list[torch.Tensor], bucket_bytes: int, op: str
+) -> str | None:
+    mine = _tensors(shapes, seed=1000 + dist.get_rank())
     allreduce(mine, algorithm=alg, compression=comp, bucket_bytes=bucket_bytes, op=op)
     for got, want in zip(mine, expected, strict=True):
         scale = max(want.abs().max().item(), 1.0) if want.numel() else 1.0
@@ -49,7 +53,7 @@ def _check_case(alg: str, comp: str | None, shapes: list, bucket_bytes: int, op:
 
 def _check_stats(alg: str) -> str | None:
     """The algorithm's byte count for a known payload (4 KiB x W floats, divisible everywhere)."""
-    g = init_groups()
+    g = current_groups()
     s, w = g.S, g.W
     n = 1024 * w * s
     stats = allreduce(torch.ones(n), algorithm=alg)
@@ -68,7 +72,7 @@ def _check_stats(alg: str) -> str | None:
 
 def _error_feedback_helps() -> str | None:
     """Summed over rounds, EF keeps the int8 error bounded where plain rounding lets it drift."""
-    g = init_groups()
+    g = current_groups()
     x = _tensors([4096], seed=7 + g.rank)[0] * 0.01 + 0.003
     truth = x.clone()
     dist.all_reduce(truth)
@@ -88,11 +92,14 @@ def correctness_worker() -> list[str]:
     """Runs on every rank; returns the failures it saw (empty when all good)."""
     init_groups()
     failures = []
+    refs = [_reference(shapes, "sum") for shapes in SHAPES]
+    avg_shapes = [1001, 3]
+    avg_ref = _reference(avg_shapes, "avg")
     for alg, comp in CASES:
-        for shapes in SHAPES:
-            for bucket_bytes in (64, 25 * 2**20):
-                failures.append(_check_case(alg, comp, shapes, bucket_bytes, "sum"))
-        failures.append(_check_case(alg, comp, [1001, 3], 512, "avg"))
+        for shapes, ref in zip(SHAPES, refs, strict=True):
+            failures.append(_check_case(alg, comp, shapes, ref, 25 * 2**20, "sum"))
+        failures.append(_check_case(alg, comp, SHAPES[-1], refs[-1], 1024, "sum"))
+        failures.append(_check_case(alg, comp, avg_shapes, avg_ref, 2048, "avg"))
         failures.append(_check_stats(alg) if comp is None else None)
     failures.append(_error_feedback_helps())
     ints = [torch.arange(11, dtype=torch.int64) * (dist.get_rank() + 1)]
@@ -106,7 +113,7 @@ def correctness_worker() -> list[str]:
 
 @pytest.mark.parametrize("sites", [1, 2, 3])
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_allreduce_matches_torch(sites: int, workers: int) -> None:
+def test_allreduce_matches_torch(run_workers, sites: int, workers: int) -> None:
     results = run_workers(sites, workers, correctness_worker)
     failures = sorted({f for per_rank in results for f in per_rank})
     assert not failures, "\n".join(failures)
@@ -125,7 +132,7 @@ def test_int8_chunk_scale_isolates_outliers() -> None:
     codec = Int8Codec(chunk=4)
     x = torch.tensor([1e4, 0.0, 0.0, 0.0, 0.1, 0.2, 0.3, 0.4])
     y = codec.roundtrip(x)
-    assert torch.allclose(y[4:], x[4:], atol=1e-3)
+    assert torch.allclose(y[4:], x[4:], atol=0.4 / 254 + 1e-6)
     assert codec.wire_bytes(8) == 8 + 2 * 4
 
 

@@ -121,7 +121,7 @@ async def apply(request: web.Request) -> web.Response:
             try:
                 action, out = await kind.store.apply(s, principal, doc)
             except errors.CPNError as exc:
-                exc.message = f"items[{i}] ({kind.kind}): {exc.message}"
+                exc.message = f"items[{i}] ({kind.kind}) {exc.message}"
                 exc.field = f"items[{i}].{exc.field}" if exc.field else f"items[{i}]"
                 raise
             results.append({"index": i, "kind": kind.kind, "name": out["metadata"]["name"], "action": action})

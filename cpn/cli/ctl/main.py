@@ -34,11 +34,7 @@ def main() -> None:
         click.echo(f"error: {exc.format_message()}", err=True)
         sys.exit(1)
     except (ApiError, cfgmod.ConfigError) as exc:
-        field = getattr(exc, "field", None)
-        message = str(exc)
-        if field and field not in message:
-            message = f"{field}: {message}"
-        click.echo(f"error: {message}", err=True)
+        click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     except (OSError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)

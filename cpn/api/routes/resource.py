@@ -1,0 +1,34 @@
+"""Resource-layer routes beyond CRUD: cluster heartbeats."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from cpn.api import state
+from cpn.api.bodies import json_response, read_model
+from cpn.api.middleware import principal_of
+from cpn.api.openapi import RouteDoc
+from cpn.api.routes import add
+from layers.resource import capacity
+from layers.resource.schemas import ClusterManifest, HeartbeatRequest
+
+
+class HeartbeatAck(BaseModel):
+    status: dict
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    body = await read_model(request, HeartbeatRequest)
+    kind = request.app[state.KINDS].by_kind("Cluster")
+    assert kind is not None
+    principal = principal_of(request)
+    async with request.app[state.DB].session() as s:
+        row = await capacity.heartbeat(s, principal, request.match_info["name"], body)
+        out = kind.store.to_manifest(principal, row)
+    return json_response(out)
+
+
+def setup(app: web.Application) -> None:
+    add(app, heartbeat, RouteDoc("POST", "/api/v1/clusters/{name}/heartbeat", "Report live capacity", "Cluster",
+                                 request=HeartbeatRequest, response=ClusterManifest, params=("name",)))

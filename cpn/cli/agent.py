@@ -1,0 +1,67 @@
+"""`cpn agent`: run the provider-side agent that heartbeats a cluster's live capacity to CPN."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+import click
+
+from cpn.cli.ctl.config import ConfigError, resolve
+from cpn.client import ApiError
+from cpn.core.errors import CPNError
+
+__all__ = ["agent_cmd"]
+
+
+@click.command("agent")
+@click.option("--cluster", required=True, help="Name of the CPN Cluster this agent reports for.")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path),
+              help="Discover GPUs from this Kubernetes cluster.")
+@click.option("--context", "kube_context", help="Kubeconfig context (default: its current-context).")
+@click.option("--local", is_flag=True, help="Offer this machine's GPUs (or CPU slots) instead.")
+@click.option("--gpus", type=int, help="With --local: slots to offer when no CUDA device is visible [1].")
+@click.option("--server", help="CPN API URL (CPN_SERVER, else the cpnctl config's current context).")
+@click.option("--token", help="Provider token (CPN_TOKEN, else the cpnctl config's current context).")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=15.0, show_default=True,
+              help="Seconds between heartbeats.")
+@click.option("--once", is_flag=True, help="Send one heartbeat and exit.")
+@click.option("--price", help="USD per GPU-hour for pools the cluster does not price yet (e.g. 0.45).")
+@click.option("--register", is_flag=True, help="With --local: create the Site and Cluster if missing.")
+@click.option("--site", help="With --register: the Site to create or join.")
+@click.option("--region", help="With --register: the new Site's region, e.g. eu-central.")
+@click.option("--lat", type=click.FloatRange(-90, 90), help="With --register: the new Site's latitude.")
+@click.option("--lon", type=click.FloatRange(-180, 180), help="With --register: the new Site's longitude.")
+def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, local: bool, gpus: int | None,
+              server: str | None, token: str | None, interval: float, once: bool, price: str | None,
+              register: bool, site: str | None, region: str | None, lat: float | None,
+              lon: float | None) -> None:
+    """Heartbeat CLUSTER's allocatable GPUs every --interval seconds.
+
+    \b
+      cpn agent --cluster fra-1-h100 --kubeconfig ~/.kube/config
+      cpn agent --cluster lab-cpu --local --gpus 4 --register --site lab-1 --region eu-west --price 0.10
+    """
+    from layers.resource.agent import AgentConfig, Registration, run_agent
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%Y-%m-%dT%H:%M:%S")
+    try:
+        target = resolve(server, token, None)
+        registration = None
+        if register:
+            if not (site and region and price):
+                raise click.ClickException("--register needs --site, --region and --price")
+            registration = Registration(site=site, region=region, price_per_gpu_hour=price, lat=lat, lon=lon)
+        cfg = AgentConfig(cluster=cluster, server=target.server or "", token=target.token, kubeconfig=kubeconfig,
+                          context=kube_context, local=local, gpus=gpus, price_per_gpu_hour=price,
+                          interval=timedelta(seconds=interval), once=once, register=registration)
+        asyncio.run(run_agent(cfg))
+    except (ApiError, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    except CPNError as exc:
+        raise click.ClickException(exc.message) from exc
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None

@@ -1,0 +1,45 @@
+"""Training strategies, one module each, looked up by name (``--strategy``).
+
+=============  ==========================================================  =======  =========
+name           what crosses the WAN, and when                              elastic  barrier
+=============  ==========================================================  =======  =========
+ddp            gradients, every step, flat ring over all ranks             no       every step
+hierarchical   gradients, every step, 2D-torus all-reduce (opt. int8)      no       every step
+local_sgd      parameters, every H steps, between site leaders             yes      every H
+diloco         pseudo-gradients every H steps, outer Nesterov (opt. int8,  yes      every H
+               overlapped one round late)
+gossip         parameters, to 1-2 neighbours on a time-varying graph       yes      none
+ssp            parameters to all sites; a site may lead by <= s steps      no       bounded
+async_ps       gradients to sharded parameter servers, fresh params back   yes      none
+=============  ==========================================================  =======  =========
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from cpn.runtime.strategies.base import Context, Strategy
+
+__all__ = ["STRATEGIES", "Context", "Strategy", "build_strategy", "strategy_class"]
+
+STRATEGIES: dict[str, str] = {
+    "ddp": "cpn.runtime.strategies.ddp:DDP",
+    "hierarchical": "cpn.runtime.strategies.hierarchical:Hierarchical",
+    "local_sgd": "cpn.runtime.strategies.local_sgd:LocalSGD",
+    "diloco": "cpn.runtime.strategies.diloco:DiLoCo",
+    "gossip": "cpn.runtime.strategies.gossip:Gossip",
+    "ssp": "cpn.runtime.strategies.ssp:SSP",
+    "async_ps": "cpn.runtime.strategies.async_ps:AsyncPS",
+}
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    try:
+        module, cls = STRATEGIES[name].split(":")
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}") from None
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_strategy(ctx: Context) -> Strategy:
+    return strategy_class(ctx.cfg.strategy.name)(ctx)

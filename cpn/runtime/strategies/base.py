@@ -1,0 +1,347 @@
+"""What every strategy shares: the worker context, the base protocol, and the cross-site plumbing.
+
+A strategy owns one rank's optimiser(s) and everything it says to other ranks. The training loop
+(:mod:`cpn.runtime.train`) computes a micro-batch's gradients and hands over to
+:meth:`Strategy.after_backward`; the strategy syncs, steps, and decides when the run ends.
+
+Cross-site plumbing for the elastic strategies lives here:
+
+- :class:`SiteExchange` averages a vector among the *live* site leaders. Every round the leaders
+  check in on the job's TCPStore; site 0's leader (it hosts the store, so it outlives any other
+  site) publishes the members, and whenever they change a fresh Gloo group is built on a
+  ``PrefixStore(f"gen{g}")`` (the torchft way). A failed or timed-out exchange is recorded, the
+  round falls back to the local vector, and the next round re-forms the group without the dead site.
+- :class:`TokenBudget` is the job-wide token counter (``store.add``) that the barrier-free
+  strategies stop on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from cpn.runtime.codecs import ErrorFeedback, get_codec
+from cpn.runtime.collectives import Stats, broadcast_from_site_leader, site_allreduce
+from cpn.runtime.config import TrainConfig
+from cpn.runtime.data import ShardSampler
+from cpn.runtime.groups import Groups
+from cpn.runtime.metrics import Timers
+
+
+@dataclass
+class Context:
+    """One worker's view of the job: config, groups, store, model, data, timers."""
+
+    cfg: TrainConfig
+    groups: Groups
+    store: dist.Store
+    model: nn.Module
+    sampler: ShardSampler
+    micro_batch: int
+    timers: Timers = field(default_factory=Timers)
+    checkpoint_dir: Path | None = None
+    val: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def site(self) -> int:
+        return self.groups.site
+
+    @property
+    def num_sites(self) -> int:
+        return self.groups.S
+
+    @property
+    def is_leader(self) -> bool:
+        return self.groups.is_leader
+
+    @property
+    def step_tokens(self) -> int:
+        return self.micro_batch * self.cfg.seq_len
+
+    def account(self, stats: Stats) -> None:
+        self.timers.intra_bytes += stats.intra_bytes
+        self.timers.wan_bytes += stats.wan_bytes
+
+
+# ----------------------------------------------------------------------------- tensor helpers
+def params_of(model: nn.Module) -> list[Tensor]:
+    return [p for p in model.parameters()]
+
+
+def flat_params(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+@torch.no_grad()
+def load_flat(model: nn.Module, vec: Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.copy_(vec[offset : offset + n].view_as(p))
+        offset += n
+
+
+def grads_of(model: nn.Module) -> list[Tensor]:
+    out = []
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        out.append(p.grad)
+    return out
+
+
+def make_optimizer(cfg: TrainConfig, params: list[Tensor], lr: float | None = None) -> torch.optim.Optimizer:
+    lr = cfg.lr if lr is None else lr
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def lr_at(cfg: TrainConfig, progress: float) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    progress = min(max(progress, 0.0), 1.0)
+    if cfg.warmup_fraction and progress < cfg.warmup_fraction:
+        return cfg.lr * (progress / cfg.warmup_fraction + 1e-3)
+    span = (progress - cfg.warmup_fraction) / max(1e-9, 1 - cfg.warmup_fraction)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * span)))
+
+
+def timed_barrier(ctx: Context, group: dist.ProcessGroup | None) -> None:
+    """A one-element all-reduce: the time spent here is waiting for slower peers, not moving data."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    with ctx.timers.timed("wait"):
+        dist.all_reduce(torch.zeros(1), group=group)
+
+
+def site_sync_grads(ctx: Context) -> None:
+    """Average gradients inside the site (the fast network), every step."""
+    if ctx.groups.site_size == 1:
+        return
+    timed_barrier(ctx, ctx.groups.intra)
+    with ctx.timers.timed("comm"):
+        ctx.account(site_allreduce(grads_of(ctx.model), ctx.groups, op="avg"))
+
+
+def site_broadcast(ctx: Context, tensors: list[Tensor]) -> None:
+    if ctx.groups.site_size == 1:
+        return
+    with ctx.timers.timed("comm"):
+        ctx.account(broadcast_from_site_leader(tensors, ctx.groups))
+
+
+def site_values(ctx: Context, *values: float) -> list[float]:
+    """The site leader's numbers, on every rank of the site (so the site decides as one)."""
+    if ctx.groups.site_size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    with ctx.timers.timed("comm"):
+        dist.broadcast(t, src=ctx.groups.leader_rank, group=ctx.groups.intra)
+    return t.tolist()
+
+
+# ----------------------------------------------------------------------------- strategy protocol
+class Strategy:
+    """Base protocol; the default is 'site-synchronous local training' (what diloco/gossip share)."""
+
+    name: ClassVar[str] = ""
+    elastic: ClassVar[bool] = False
+    global_budget: ClassVar[bool] = False
+
+    def __init__(self, ctx: Context):
+        self.ctx, self.cfg, self.model = ctx, ctx.cfg, ctx.model
+        self.opt = make_optimizer(self.cfg, params_of(self.model))
+        self.start_step = 0
+        self.progress = 0.0
+
+    # the loop calls these, in this order, every step
+    def before_step(self, step: int) -> None:
+        """Hook for strategies that gate a step (ssp's staleness bound)."""
+
+    def set_lr(self, step: int) -> None:
+        if not self.global_budget:
+            self.progress = step / self.cfg.total_steps
+        lr = lr_at(self.cfg, self.progress)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
+    def after_backward(self, step: int) -> None:
+        site_sync_grads(self.ctx)
+        self._inner_step()
+
+    def should_stop(self, step: int) -> bool:
+        limit = self.cfg.total_steps if self.cfg.stop_at_step is None else min(self.cfg.total_steps, self.cfg.stop_at_step)
+        return step >= limit
+
+    def finish(self, step: int) -> None:
+        """Bring the model to its final (consensus) state; rank 0 evaluates it afterwards."""
+
+    def live_sites(self) -> list[int]:
+        return list(range(self.ctx.num_sites))
+
+    # checkpoints
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint_every
+        return bool(every) and self.ctx.checkpoint_dir is not None and step % every == 0
+
+    def site_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
+
+    def global_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_state(self, site_state: dict[str, Any] | None, global_state: dict[str, Any]) -> None:
+        if site_state is not None:
+            self.model.load_state_dict(site_state["model"])
+            self.opt.load_state_dict(site_state["opt"])
+
+    def _inner_step(self) -> None:
+        with self.ctx.timers.timed("compute"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=False)
+
+
+# ----------------------------------------------------------------------------- job-wide state
+class TokenBudget:
+    """The job's shared token counter: barrier-free strategies stop when it reaches the budget."""
+
+    def __init__(self, ctx: Context):
+        self.store = dist.PrefixStore("cpn/budget", ctx.store)
+        self.total = ctx.cfg.tokens
+
+    def add(self, tokens: int) -> int:
+        return self.store.add("tokens", tokens)
+
+    def spent(self) -> int:
+        return self.store.add("tokens", 0)
+
+
+def wait_keys(store: dist.Store, keys: list[str], deadline: float, poll: float = 0.01) -> list[str]:
+    """Poll until every key exists or the deadline passes; returns the keys that exist."""
+    while True:
+        present = [k for k in keys if store.check([k])]
+        if len(present) == len(keys) or time.monotonic() >= deadline:
+            return present
+        time.sleep(poll)
+
+
+class PendingAverage:
+    """An exchange in flight; :meth:`wait` returns the average, or None when the exchange failed."""
+
+    def __init__(self, exchange: SiteExchange, rnd: int, x: Tensor, work: Any = None,
+                 outs: list[Tensor] | None = None):
+        self.exchange, self.round, self.x, self.work, self.outs = exchange, rnd, x, work, outs
+
+    def wait(self) -> Tensor | None:
+        ex = self.exchange
+        if self.work is None:
+            return self.x
+        try:
+            with ex.ctx.timers.timed("comm"):
+                self.work.wait(ex.timeout)
+        except Exception as exc:  # noqa: BLE001 - a dead peer surfaces as any of several errors
+            ex.record_failure(self.round, exc)
+            return None
+        if self.outs is None:
+            return self.x.div_(len(ex.members))
+        n = self.x.numel()
+        return sum(ex.codec.decode(w, ex.padded(n))[:n] for w in self.outs) / len(self.outs)
+
+
+class SiteExchange:
+    """Averages one vector across the live sites' leaders, re-forming the group on membership change."""
+
+    COORDINATOR = 0
+
+    def __init__(self, ctx: Context, name: str = "wan"):
+        self.ctx = ctx
+        self.store = dist.PrefixStore(f"cpn/{name}", ctx.store)
+        self.site = ctx.site
+        self.members = list(range(ctx.num_sites))
+        self.gen = -1
+        self.pg: dist.ProcessGroup | None = None
+        self.timeout = timedelta(seconds=ctx.cfg.strategy.wan_timeout_seconds)
+        self.codec = get_codec(ctx.cfg.strategy.compression)
+        self.ef = ErrorFeedback() if self.codec is not None else None
+
+    def padded(self, n: int) -> int:
+        align = self.codec.align if self.codec else 1
+        return -(-n // align) * align
+
+    def record_failure(self, rnd: int, exc: BaseException) -> None:
+        self.store.set(f"r{rnd}/failed/{self.site}", repr(exc)[:200])
+        self.pg = None
+
+    def join(self, rnd: int) -> bool:
+        """Check in for round ``rnd``; True when this site takes part in the exchange."""
+        self.store.set(f"r{rnd}/arrive/{self.site}", "1")
+        if self.site == self.COORDINATOR:
+            self._decide(rnd)
+        with self.ctx.timers.timed("wait"):
+            decision = json.loads(self.store.get(f"r{rnd}/members"))
+        members, gen = decision["members"], decision["gen"]
+        if self.site not in members:
+            return False
+        if gen != self.gen or self.pg is None:
+            self.members, self.gen = members, gen
+            self.pg = self._build() if len(members) > 1 else None
+            if self.pg is None and len(members) > 1:
+                return False
+        return True
+
+    def _decide(self, rnd: int) -> None:
+        everyone = [f"r{rnd}/arrive/{s}" for s in range(self.ctx.num_sites)]
+        expected = [f"r{rnd}/arrive/{s}" for s in self.members]
+        with self.ctx.timers.timed("wait"):
+            wait_keys(self.store, expected, time.monotonic() + self.timeout.total_seconds())
+        arrived = sorted(int(k.rsplit("/", 1)[1]) for k in everyone if self.store.check([k]))
+        failed = rnd > 0 and any(self.store.check([f"r{rnd - 1}/failed/{s}"]) for s in self.members)
+        gen = self.gen
+        if arrived != self.members or failed or gen < 0:
+            gen = max(gen, 0) + (0 if self.gen < 0 and arrived == self.members else 1)
+        self.store.set(f"r{rnd}/members", json.dumps({"gen": gen, "members": arrived}))
+
+    def _build(self) -> dist.ProcessGroup | None:
+        prefixed = dist.PrefixStore(f"gen{self.gen}", self.store)
+        try:
+            with self.ctx.timers.timed("wait"):
+                return dist.ProcessGroupGloo(prefixed, self.members.index(self.site), len(self.members), self.timeout)
+        except Exception:  # noqa: BLE001 - a member died between the decision and the rendezvous
+            return None
+
+    def start(self, rnd: int, x: Tensor) -> PendingAverage:
+        """Begin averaging ``x`` (float32, flat) over the members; the caller may compute meanwhile."""
+        x = x.detach().float().clone()
+        if self.pg is None:
+            return PendingAverage(self, rnd, x)
+        m = len(self.members)
+        if self.codec is None:
+            self.ctx.timers.wan_bytes += 2 * (m - 1) * x.numel() * 4 // m
+            return PendingAverage(self, rnd, x, work=self.pg.allreduce([x]))
+        n = x.numel()
+        buf = torch.zeros(self.padded(n))
+        buf[:n] = x
+        if self.ef is not None:
+            buf = self.ef.compensate("x", buf)
+        wire = self.codec.encode(buf)
+        if self.ef is not None:
+            self.ef.record("x", buf, self.codec.decode(wire, buf.numel()))
+        outs = [torch.empty_like(wire) for _ in range(m)]
+        self.ctx.timers.wan_bytes += (m - 1) * wire.numel()
+        return PendingAverage(self, rnd, x, work=self.pg.allgather([outs], [wire]), outs=outs)

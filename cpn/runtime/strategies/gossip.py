@@ -1,0 +1,186 @@
+"""``gossip``: each site averages with one or two neighbours per round; no global barrier.
+
+Site leaders talk through :class:`Mailboxes`: one two-rank Gloo group per ordered pair of sites
+(i -> j), a sender thread per outgoing pair holding only the newest message (a newer one replaces
+an unsent one) and a receiver thread per incoming pair keeping only the newest arrival. Gloo's
+point-to-point work cannot be polled (``is_completed`` stays false until ``wait``, and a ``wait``
+timeout closes the pair), hence the threads. A fast site therefore never waits for a slow one: it
+mixes in whatever its neighbours last sent.
+
+The graph varies with the round: in round r site i sends to ``i +/- 2**(r mod ceil(log2 S))``
+(one neighbour, or two with ``gossip_neighbours=2``) -- an exponential graph, which mixes in
+O(log S) rounds. Inside a site the workers stay synchronous. A neighbour whose channel fails is
+dropped. At the end the live sites average once (the only barrier), so the run has one final model.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cpn.runtime.strategies.base import (
+    Context,
+    SiteExchange,
+    Strategy,
+    TokenBudget,
+    flat_params,
+    load_flat,
+    site_broadcast,
+    site_values,
+    site_sync_grads,
+)
+
+
+def pair_group(store: dist.Store, name: str, src: int, dst: int, me: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A two-rank Gloo group for messages src -> dst (rank 0 = src)."""
+    prefixed = dist.PrefixStore(f"cpn/{name}/{src}-{dst}", store)
+    return dist.ProcessGroupGloo(prefixed, 0 if me == src else 1, 2, timeout)
+
+
+class Mailboxes:
+    """Newest-message-wins channels between this site and every other site."""
+
+    def __init__(self, ctx: Context, numel: int, name: str = "gossip"):
+        self.me, self.numel = ctx.site, numel
+        self.lock = threading.Lock()
+        self.inbox: dict[int, torch.Tensor] = {}
+        self.outbox: dict[int, torch.Tensor] = {}
+        self.wake = {j: threading.Event() for j in range(ctx.num_sites) if j != self.me}
+        self.dead: set[int] = set()
+        self.sent_bytes = 0
+        timeout = timedelta(days=1)  # receivers block until a message comes; a dead peer closes the pair
+        pairs = sorted((i, j) for i in range(ctx.num_sites) for j in range(ctx.num_sites) if i != j and self.me in (i, j))
+        self.groups = {pair: pair_group(ctx.store, name, *pair, self.me, timeout) for pair in pairs}
+        for (i, j), pg in self.groups.items():
+            target = self._send_loop if i == self.me else self._recv_loop
+            peer = j if i == self.me else i
+            threading.Thread(target=target, args=(peer, pg), daemon=True, name=f"{name}-{i}-{j}").start()
+
+    def post(self, peer: int, vec: torch.Tensor) -> None:
+        if peer in self.dead:
+            return
+        with self.lock:
+            self.outbox[peer] = vec.clone()
+        self.wake[peer].set()
+
+    def take(self) -> dict[int, torch.Tensor]:
+        """The messages that arrived since the last call, newest per peer."""
+        with self.lock:
+            got, self.inbox = self.inbox, {}
+        return got
+
+    def _send_loop(self, peer: int, pg: dist.ProcessGroup) -> None:
+        while True:
+            self.wake[peer].wait()
+            with self.lock:
+                self.wake[peer].clear()
+                vec = self.outbox.pop(peer, None)
+            if vec is None:
+                continue
+            try:
+                pg.send([vec], 1, 0).wait()
+            except Exception:  # noqa: BLE001 - the peer died
+                self.dead.add(peer)
+                return
+            self.sent_bytes += vec.numel() * vec.element_size()
+
+    def _recv_loop(self, peer: int, pg: dist.ProcessGroup) -> None:
+        while True:
+            buf = torch.empty(self.numel)
+            try:
+                pg.recv([buf], 0, 0).wait()
+            except Exception:  # noqa: BLE001
+                self.dead.add(peer)
+                return
+            with self.lock:
+                self.inbox[peer] = buf
+
+
+def neighbours(site: int, sites: int, rnd: int, count: int) -> list[int]:
+    if sites < 2:
+        return []
+    hops = max(1, math.ceil(math.log2(sites)))
+    d = 2 ** (rnd % hops)
+    out = [(site + d) % sites]
+    if count > 1:
+        out.append((site - d) % sites)
+    return sorted({j for j in out if j != site})
+
+
+class Gossip(Strategy):
+    name = "gossip"
+    elastic = True
+    global_budget = True
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.H = ctx.cfg.strategy.inner_steps
+        self.budget = TokenBudget(ctx)
+        self.stop = False
+        self.round = 0
+        self.mail = Mailboxes(ctx, sum(p.numel() for p in self.model.parameters()), self.name) if ctx.is_leader else None
+        self.final_exchange = SiteExchange(ctx, f"{self.name}-final") if ctx.is_leader else None
+        self._live = list(range(ctx.num_sites))
+        self._counted = 0
+
+    def after_backward(self, step: int) -> None:
+        site_sync_grads(self.ctx)
+        self._inner_step()
+        site_tokens = self.ctx.step_tokens * self.ctx.groups.site_size
+        spent = self.budget.add(site_tokens) if self.ctx.is_leader else 0
+        self.progress, stop = site_values(self.ctx, spent / self.budget.total, float(spent >= self.budget.total))
+        self.stop = bool(stop)
+        if (step + 1) % self.H == 0 and not self.stop:
+            self.exchange(step + 1)
+
+    def exchange(self, step: int) -> None:
+        ctx = self.ctx
+        if ctx.is_leader:
+            with ctx.timers.timed("comm"):
+                self._mix_and_send()
+        site_broadcast(ctx, [p.data for p in self.model.parameters()])
+        self.round += 1
+
+    def targets(self) -> list[int]:
+        return neighbours(self.ctx.site, self.ctx.num_sites, self.round, self.cfg.strategy.gossip_neighbours)
+
+    def _mix_and_send(self) -> None:
+        theta = flat_params(self.model)
+        got = self.mail.take()
+        if got:
+            theta = (theta + sum(got.values())) / (1 + len(got))
+            load_flat(self.model, theta)
+        for j in self.targets():
+            self.mail.post(j, theta)
+        self._account_wan()
+        self._live = sorted(set(range(self.ctx.num_sites)) - self.mail.dead)
+
+    def should_stop(self, step: int) -> bool:
+        return self.stop or (self.cfg.stop_at_step is not None and step >= self.cfg.stop_at_step)
+
+    def finish(self, step: int) -> None:
+        """One averaging round among the live sites, so the run ends with a single model."""
+        ctx = self.ctx
+        if ctx.is_leader:
+            ex = self.final_exchange
+            local = flat_params(self.model)
+            if ex.join(0):
+                avg = ex.start(0, local).wait()
+                if avg is not None:
+                    load_flat(self.model, avg)
+                self._live = list(ex.members)
+            self._account_wan()
+        site_broadcast(ctx, [p.data for p in self.model.parameters()])
+
+    def _account_wan(self) -> None:
+        """Bytes the sender threads moved since the last call (they send in the background)."""
+        sent = self.mail.sent_bytes
+        self.ctx.timers.wan_bytes += sent - self._counted
+        self._counted = sent
+
+    def live_sites(self) -> list[int]:
+        return self._live

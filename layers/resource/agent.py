@@ -1,0 +1,252 @@
+"""The provider-side agent: observe a cluster's GPUs every round and heartbeat them to CPN.
+
+Two ways to observe: the site's Kubernetes API (discovery of node pools and free GPUs), or the
+local machine (CUDA devices when torch sees any, else N CPU "slots" — torch is optional). The
+agent speaks to CPN only through :mod:`cpn.client`. A failed discovery is reported as a NotReady
+heartbeat instead of silence; a server that cannot be reached or answers 5xx is retried next
+round; any other refusal (401, 403, 404, 422) stops the agent, since retrying cannot fix it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+from cpn import API_VERSION
+from cpn.client import ApiError, Client
+from cpn.core.errors import InvalidInput, Unavailable
+from layers.resource import gpus
+from layers.resource.catalog import REGIONS
+from layers.resource.discovery.kubernetes import DiscoveredPool, discover
+
+log = logging.getLogger("cpn.agent")
+
+CPU_SLOT_TFLOPS = 0.5  # a few cores of bf16 matmul; only the ratio to real GPUs matters
+
+
+@dataclass(frozen=True, kw_only=True)
+class Registration:
+    """What to create when the cluster does not exist yet (`--register`, local mode only)."""
+
+    site: str
+    region: str
+    price_per_gpu_hour: str
+    lat: float | None = None
+    lon: float | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            price = Decimal(self.price_per_gpu_hour)
+        except InvalidOperation:
+            price = Decimal(-1)
+        if not price.is_finite() or price <= 0:
+            raise InvalidInput(f"price {self.price_per_gpu_hour!r} must be a positive decimal such as 0.45",
+                               field="price")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    cluster: str
+    server: str
+    token: str | None = None
+    kubeconfig: Path | None = None
+    context: str | None = None
+    local: bool = False
+    gpus: int | None = None
+    """Local mode: slots to offer when no CUDA device is visible (default 1)."""
+    price_per_gpu_hour: str | None = None
+    """Price for discovered pools the cluster's manifest does not price yet."""
+    interval: timedelta = timedelta(seconds=15)
+    timeout: timedelta = timedelta(seconds=10)
+    once: bool = False
+    register: Registration | None = None
+
+    def __post_init__(self) -> None:
+        if self.local == (self.kubeconfig is not None):
+            raise InvalidInput("give either --kubeconfig PATH (Kubernetes discovery) or --local", field="kubeconfig")
+        if self.gpus is not None and self.gpus < 1:
+            raise InvalidInput("--gpus must be at least 1", field="gpus")
+        if self.interval <= timedelta(0):
+            raise InvalidInput("--interval must be positive, e.g. --interval 15", field="interval")
+        if self.register is not None and not self.local:
+            raise InvalidInput("--register works with --local; create Kubernetes clusters with cpnctl apply",
+                               field="register")
+
+
+@dataclass(frozen=True)
+class Observation:
+    allocatable_gpus: int
+    capacity_gpus: int | None
+    ready: bool
+    reason: str
+    message: str
+    pools: list[DiscoveredPool] = field(default_factory=list)
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class LocalDevices:
+    count: int
+    gpu: gpus.GpuModelInfo | None
+    name: str
+
+
+async def run_agent(cfg: AgentConfig) -> None:
+    """Heartbeat until cancelled (or once). Raises ApiError / CPNError on a permanent failure."""
+    client = Client(cfg.server, cfg.token, timeout=cfg.timeout.total_seconds())
+    try:
+        spec = await _prepare(client, cfg)
+        while True:
+            observation = await observe(cfg)
+            await _send(client, cfg, observation, _prices(spec, cfg))
+            if cfg.once:
+                if observation.error is not None:
+                    raise observation.error
+                return
+            await asyncio.sleep(cfg.interval.total_seconds())
+    finally:
+        client.close()
+
+
+async def observe(cfg: AgentConfig) -> Observation:
+    if cfg.local:
+        devices = await asyncio.to_thread(local_devices, cfg.gpus)
+        return Observation(devices.count, devices.count, True, "LocalDevices", f"{devices.count} × {devices.name}")
+    assert cfg.kubeconfig is not None
+    try:
+        found = await asyncio.to_thread(discover, cfg.kubeconfig, cfg.context,
+                                        timeout=cfg.timeout.total_seconds())
+    except Unavailable as exc:
+        return Observation(0, None, False, "DiscoveryFailed", exc.message, error=exc)
+    ready = found.conditions[0] if found.conditions else {"status": "True", "reason": "", "message": ""}
+    return Observation(found.allocatable_gpus, found.capacity_gpus, ready["status"] == "True",
+                       ready["reason"], ready["message"], found.node_pools)
+
+
+def local_devices(fallback_slots: int | None) -> LocalDevices:
+    """CUDA devices if torch is installed and sees any; otherwise `fallback_slots` CPU slots."""
+    try:
+        import torch
+    except ImportError:
+        torch = None  # type: ignore[assignment]
+    if torch is not None and torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        name = torch.cuda.get_device_name(0)
+        return LocalDevices(torch.cuda.device_count(), gpus.lookup(name), name)
+    return LocalDevices(fallback_slots or 1, None, "CPU slot")
+
+
+def heartbeat_body(observation: Observation, prices: dict[str, str]) -> dict[str, Any]:
+    """The wire body; nodePools only when every discovered pool can be priced and rated."""
+    body: dict[str, Any] = {
+        "allocatableGpus": observation.allocatable_gpus,
+        "conditions": [{"type": "Ready", "status": "True" if observation.ready else "False",
+                        "reason": observation.reason, "message": observation.message}],
+    }
+    if observation.capacity_gpus is not None:
+        body["capacityGpus"] = observation.capacity_gpus
+    pools = [_priced(p, prices) for p in observation.pools]
+    if pools and all(p is not None for p in pools):
+        body["nodePools"] = pools
+    return body
+
+
+def _priced(pool: DiscoveredPool, prices: dict[str, str]) -> dict[str, Any] | None:
+    price = prices.get(f"pool:{pool.name}") or prices.get(f"model:{pool.gpu_model}") or prices.get("default")
+    if price is None or pool.tflops is None:
+        return None
+    return {**pool.manifest(), "pricePerGpuHour": price}
+
+
+def _prices(spec: dict[str, Any], cfg: AgentConfig) -> dict[str, str]:
+    """Prices the cluster's manifest already states, by pool name and by GPU model; `--price` last."""
+    prices = {"default": cfg.price_per_gpu_hour} if cfg.price_per_gpu_hour else {}
+    for pool in reversed(spec.get("nodePools") or []):
+        prices[f"pool:{pool['name']}"] = str(pool["pricePerGpuHour"])
+        prices[f"model:{pool['gpu']['model']}"] = str(pool["pricePerGpuHour"])
+    return prices
+
+
+async def _send(client: Client, cfg: AgentConfig, observation: Observation, prices: dict[str, str]) -> None:
+    body = heartbeat_body(observation, prices)
+    try:
+        await asyncio.to_thread(client.post, f"/api/v1/clusters/{cfg.cluster}/heartbeat", body)
+    except ApiError as exc:
+        if cfg.once or not _transient(exc):
+            raise
+        log.warning("heartbeat cluster=%s failed, retrying in %ss: %s", cfg.cluster,
+                    int(cfg.interval.total_seconds()), exc.message)
+        return
+    capacity = "?" if observation.capacity_gpus is None else observation.capacity_gpus
+    log.info("heartbeat cluster=%s ready=%s allocatable=%s/%s pools=%s %s", cfg.cluster, observation.ready,
+             observation.allocatable_gpus, capacity, len(body.get("nodePools", [])), observation.message)
+
+
+def _transient(exc: ApiError) -> bool:
+    return exc.status == 0 or exc.status == 429 or exc.status >= 500
+
+
+async def _prepare(client: Client, cfg: AgentConfig) -> dict[str, Any]:
+    """The cluster's current spec (for prices), registering site and cluster first if asked to."""
+    try:
+        return (await asyncio.to_thread(client.get, f"/api/v1/clusters/{cfg.cluster}"))["spec"]
+    except ApiError as exc:
+        if exc.status != 404 or cfg.register is None:
+            raise
+    devices = await asyncio.to_thread(local_devices, cfg.gpus)
+    await _ensure_site(client, cfg.register)
+    manifest = cluster_manifest(cfg.cluster, cfg.register, devices)
+    created = await asyncio.to_thread(client.post, "/api/v1/clusters", manifest)
+    log.info("registered cluster=%s site=%s gpus=%s", cfg.cluster, cfg.register.site, devices.count)
+    return created["spec"]
+
+
+async def _ensure_site(client: Client, reg: Registration) -> None:
+    try:
+        await asyncio.to_thread(client.get, f"/api/v1/sites/{reg.site}")
+        return
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+    try:
+        await asyncio.to_thread(client.post, "/api/v1/sites", site_manifest(reg))
+    except ApiError as exc:
+        if exc.status != 409:  # registered meanwhile by another agent of the same site
+            raise
+
+
+def site_manifest(reg: Registration) -> dict[str, Any]:
+    spec: dict[str, Any] = {"region": reg.region}
+    lat, lon = (reg.lat, reg.lon) if reg.lat is not None and reg.lon is not None else REGIONS.get(reg.region,
+                                                                                                  (None, None))
+    if lat is not None and lon is not None:
+        spec["location"] = {"lat": lat, "lon": lon}
+    return {"apiVersion": API_VERSION, "kind": "Site", "metadata": {"name": reg.site}, "spec": spec}
+
+
+def cluster_manifest(name: str, reg: Registration, devices: LocalDevices) -> dict[str, Any]:
+    if devices.gpu is not None:
+        info = devices.gpu
+        gpu = {"model": info.model, "memoryGB": info.memory_gb, "tflops": info.tflops}
+        interconnect = {"intraNodeGbps": info.intra_node_gbps, "interNodeGbps": info.inter_node_gbps}
+    else:
+        gpu = {"model": "CPU", "memoryGB": _memory_per_slot_gb(devices.count), "tflops": CPU_SLOT_TFLOPS}
+        interconnect = {"intraNodeGbps": 100, "interNodeGbps": 10}
+    pool = {"name": gpu["model"].lower(), "gpu": gpu, "gpusPerNode": devices.count, "nodes": 1,
+            "pricePerGpuHour": reg.price_per_gpu_hour}
+    return {"apiVersion": API_VERSION, "kind": "Cluster", "metadata": {"name": name},
+            "spec": {"site": reg.site, "driver": "local", "currency": "USD", "nodePools": [pool],
+                     "interconnect": interconnect}}
+
+
+def _memory_per_slot_gb(slots: int) -> float:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * 2**30
+    return max(0.5, round(total / slots / 2**30, 1))

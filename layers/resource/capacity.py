@@ -1,0 +1,87 @@
+"""Live capacity: heartbeats from agents and the Ready view the scheduler reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from cpn.core import errors
+from cpn.core.principal import Principal
+from layers.resource.models import ClusterRow, LinkRow, SiteRow
+from layers.resource.schemas import HeartbeatRequest
+from layers.resource.stores import is_ready
+
+
+async def heartbeat(session: AsyncSession, principal: Principal, name: str, body: HeartbeatRequest,
+                    now: datetime | None = None) -> ClusterRow:
+    """Record an agent's report; only the cluster's provider (or an admin) may send it."""
+    row = (await session.execute(select(ClusterRow).where(ClusterRow.name == name))).scalar_one_or_none()
+    if row is None:
+        raise errors.NotFound(f"Cluster {name!r} not found")
+    if not principal.owns(row.owner_id):
+        raise errors.Forbidden(f"cluster {name!r} belongs to another provider")
+    capacity = body.capacity_gpus if body.capacity_gpus is not None else row.capacity_gpus
+    if body.allocatable_gpus > capacity:
+        raise errors.InvalidInput(f"allocatableGpus {body.allocatable_gpus} exceeds capacity {capacity}",
+                                  field="allocatableGpus")
+    status = dict(row.status or {})
+    status["reportedConditions"] = [c.wire() for c in body.conditions]
+    if body.node_pools is not None:
+        status["discoveredPools"] = [p.wire() for p in body.node_pools]
+    row.status = status
+    row.capacity_gpus = capacity
+    row.allocatable_gpus = body.allocatable_gpus
+    row.last_heartbeat_at = now or datetime.now(UTC)
+    await session.flush()
+    return row
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the control layer needs of one cluster to place work on it."""
+
+    name: str
+    site: str
+    region: str
+    provider: str
+    owner_id: str
+    driver: str
+    ready: bool
+    allocatable_gpus: int
+    capacity_gpus: int
+    spec: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LinkView:
+    name: str
+    a: str
+    b: str
+    bandwidth_gbps: float
+    rtt_ms: float
+    price_per_gb: str
+    owner_id: str
+
+
+async def inventory(session: AsyncSession, heartbeat_timeout: timedelta,
+                    now: datetime | None = None) -> tuple[list[ClusterView], list[LinkView]]:
+    """Every cluster with its live state, and every link, in two queries."""
+    now = now or datetime.now(UTC)
+    rows = (await session.execute(select(ClusterRow, SiteRow).join(SiteRow, SiteRow.id == ClusterRow.site_id)
+                                  .order_by(ClusterRow.name))).all()
+    clusters = []
+    for cluster, site in rows:
+        ready = is_ready(cluster, heartbeat_timeout, now)[0]
+        clusters.append(ClusterView(
+            name=cluster.name, site=site.name, region=site.region, provider=site.spec.get("provider") or "",
+            owner_id=cluster.owner_id, driver=cluster.driver, ready=ready,
+            allocatable_gpus=cluster.allocatable_gpus if ready else 0, capacity_gpus=cluster.capacity_gpus,
+            spec=cluster.spec))
+    links = [LinkView(name=r.name, a=r.spec["a"], b=r.spec["b"], bandwidth_gbps=float(r.spec["bandwidthGbps"]),
+                      rtt_ms=float(r.spec["rttMs"]), price_per_gb=str(r.spec["pricePerGB"]), owner_id=r.owner_id)
+             for r in (await session.execute(select(LinkRow).order_by(LinkRow.name))).scalars()]
+    return clusters, links

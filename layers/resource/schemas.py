@@ -1,0 +1,127 @@
+"""Wire schemas of the inventory kinds: Site, Cluster, Link (and the heartbeat body)."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from cpn.core.manifest import CamelModel, Condition, ManifestBase, Money, Name
+
+REGION_RE = re.compile(r"^[a-z0-9][-a-z0-9]{0,62}$")
+
+
+class Location(CamelModel):
+    lat: float = Field(ge=-90, le=90)
+    lon: float = Field(ge=-180, le=180)
+
+
+class SiteSpec(CamelModel):
+    region: str = Field(description="Region for data-residency constraints, e.g. eu-central")
+    location: Location | None = None
+    provider: str | None = Field(default=None, description="Set by the server from the token; ignored on input.")
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        if not REGION_RE.match(v):
+            raise ValueError("region must be lowercase letters, digits and '-'")
+        return v
+
+
+class SiteManifest(ManifestBase):
+    kind: Literal["Site"] = "Site"
+    spec: SiteSpec
+    status: dict[str, Any] | None = None
+
+
+class GpuSpec(CamelModel):
+    model: str = Field(min_length=1, max_length=63, description="H100, A100, L40S, RTX4090 …")
+    memory_gb: float = Field(alias="memoryGB", gt=0)
+    tflops: float = Field(gt=0, description="Peak dense bf16 TFLOPs per GPU")
+
+
+class NodePool(CamelModel):
+    name: Name
+    gpu: GpuSpec
+    gpus_per_node: int = Field(gt=0, le=64)
+    nodes: int = Field(gt=0, le=100_000)
+    price_per_gpu_hour: Money
+
+    @field_validator("price_per_gpu_hour")
+    @classmethod
+    def _positive(cls, v: Any) -> Any:
+        if v <= 0:
+            raise ValueError("must be greater than 0")
+        return v
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+class KubernetesRef(CamelModel):
+    kubeconfig_secret: str | None = Field(default=None, description="Write-only reference to a kubeconfig")
+    server: str | None = None
+    namespace: str = "default"
+    context: str | None = None
+
+
+class Interconnect(CamelModel):
+    intra_node_gbps: float = Field(default=600.0, gt=0)
+    inter_node_gbps: float = Field(default=100.0, gt=0)
+
+
+class ClusterSpec(CamelModel):
+    site: Name
+    driver: Literal["local", "kubernetes"] = "local"
+    kubernetes: KubernetesRef | None = None
+    node_pools: list[NodePool] = Field(min_length=1)
+    currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
+    interconnect: Interconnect = Field(default_factory=Interconnect)
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.gpus for p in self.node_pools)
+
+
+class ClusterManifest(ManifestBase):
+    kind: Literal["Cluster"] = "Cluster"
+    spec: ClusterSpec
+    status: dict[str, Any] | None = None
+
+
+class Measured(CamelModel):
+    bandwidth_gbps: float = Field(gt=0)
+    rtt_ms: float = Field(ge=0)
+    at: datetime | None = None
+
+
+class LinkSpec(CamelModel):
+    a: Name
+    b: Name
+    bandwidth_gbps: float = Field(gt=0)
+    rtt_ms: float = Field(ge=0)
+    price_per_gb: Money = Field(alias="pricePerGB")
+    measured: Measured | None = None
+
+
+class LinkManifest(ManifestBase):
+    kind: Literal["Link"] = "Link"
+    spec: LinkSpec
+    status: dict[str, Any] | None = None
+
+
+class HeartbeatRequest(CamelModel):
+    allocatable_gpus: int = Field(ge=0)
+    capacity_gpus: int | None = Field(default=None, ge=0)
+    conditions: list[Condition] = Field(default_factory=list)
+    node_pools: list[NodePool] | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> HeartbeatRequest:
+        if self.capacity_gpus is not None and self.allocatable_gpus > self.capacity_gpus:
+            raise ValueError("allocatableGpus cannot exceed capacityGpus")
+        return self

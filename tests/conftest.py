@@ -1,0 +1,231 @@
+"""Shared fixtures: a migrated database per test (SQLite, or PostgreSQL when
+CPN_TEST_DATABASE_URL is set), the API application, tokens, and a live `cpn serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cpn.core import migrate
+from cpn.core.db import Database
+from cpn.core.principal import Role
+from cpn.core.settings import Settings
+
+pytest_plugins: list[str] = []
+if (Path(__file__).parent / "conftest_kube.py").exists():
+    pytest_plugins.append("tests.conftest_kube")
+
+PG_DEFAULT = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+
+
+def _pg_url() -> str | None:
+    return os.environ.get("CPN_TEST_DATABASE_URL")
+
+
+async def _pg_admin(url: str, *statements: str) -> None:
+    import asyncpg
+
+    dsn = url.replace("postgresql+asyncpg://", "postgresql://")
+    conn = await asyncpg.connect(dsn, timeout=5)
+    try:
+        for stmt in statements:
+            await conn.execute(stmt)
+    finally:
+        await conn.close()
+
+
+def _with_db(url: str, name: str) -> str:
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{name}"
+
+
+class DatabaseFactory:
+    """Migrates one template per session, then hands each test a fresh copy of it."""
+
+    def __init__(self, tmp: Path, pg_url: str | None):
+        self.tmp, self.pg_url = tmp, pg_url
+        self.template: str | None = None
+        self.created: list[str] = []
+
+    def _template(self) -> str:
+        if self.template:
+            return self.template
+        if self.pg_url:
+            name = f"cpn_tmpl_{uuid.uuid4().hex[:8]}"
+            asyncio.run(_pg_admin(self.pg_url, f'CREATE DATABASE "{name}"'))
+            self.created.append(name)
+            migrate.upgrade(_with_db(self.pg_url, name))
+            self.template = name
+        else:
+            path = self.tmp / "template.db"
+            migrate.upgrade(f"sqlite+aiosqlite:///{path}")
+            self.template = str(path)
+        return self.template
+
+    def new(self) -> str:
+        template = self._template()
+        if self.pg_url:
+            name = f"cpn_t_{uuid.uuid4().hex[:10]}"
+            asyncio.run(_pg_admin(self.pg_url, f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
+            self.created.append(name)
+            return _with_db(self.pg_url, name)
+        path = self.tmp / f"{uuid.uuid4().hex[:10]}.db"
+        shutil.copy(template, path)
+        return f"sqlite+aiosqlite:///{path}"
+
+    def cleanup(self) -> None:
+        if self.pg_url and self.created:
+            stmts = [f'DROP DATABASE IF EXISTS "{n}" WITH (FORCE)' for n in reversed(self.created)]
+            try:
+                asyncio.run(_pg_admin(self.pg_url, *stmts))
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+
+@pytest.fixture(scope="session")
+def db_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DatabaseFactory]:
+    pg = _pg_url()
+    if pg:
+        try:
+            asyncio.run(_pg_admin(pg, "SELECT 1"))
+        except Exception as exc:  # noqa: BLE001
+            pytest.skip(f"CPN_TEST_DATABASE_URL is set but PostgreSQL is unreachable: {exc}")
+    factory = DatabaseFactory(tmp_path_factory.mktemp("db"), pg)
+    yield factory
+    factory.cleanup()
+
+
+@pytest.fixture
+def db_url(db_factory: DatabaseFactory) -> str:
+    return db_factory.new()
+
+
+@pytest.fixture
+def settings(db_url: str, tmp_path: Path) -> Settings:
+    return Settings(database_url=db_url, data_dir=tmp_path, heartbeat_timeout_seconds=60)
+
+
+@pytest.fixture
+async def db(settings: Settings) -> AsyncIterator[Database]:
+    database = Database(settings.effective_database_url)
+    yield database
+    await database.dispose()
+
+
+async def make_token(db: Database, name: str, role: str) -> str:
+    from layers.orchestration.identity.tokens import create_token
+
+    async with db.session() as s:
+        return await create_token(s, name, Role(role))
+
+
+@dataclass
+class Api:
+    """An aiohttp test client plus tokens for an admin, two providers and two users."""
+
+    client: object
+    tokens: dict[str, str]
+
+    def auth(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[who]}"}
+
+
+@pytest.fixture
+async def api(aiohttp_client, settings: Settings, db: Database) -> Api:  # type: ignore[no-untyped-def]
+    from cpn.api.app import create_app
+
+    app = create_app(settings, db, migrate=False)
+    client = await aiohttp_client(app)
+    tokens = {}
+    for name, role in [("admin", "admin"), ("prov-a", "provider"), ("prov-b", "provider"),
+                       ("alice", "user"), ("bob", "user")]:
+        tokens[name] = await make_token(db, name, role)
+    return Api(client=client, tokens=tokens)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    env: dict[str, str]
+    proc: subprocess.Popen
+
+    def cpn(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return run_cli(["cpn", *args], self.env, check=check)
+
+    def cpnctl(self, *args: str, input: str | None = None, check: bool = False) -> subprocess.CompletedProcess:
+        return run_cli(["cpnctl", *args], self.env, input=input, check=check)
+
+    def token(self, name: str, role: str) -> str:
+        return self.cpn("token", "create", name, "--role", role).stdout.strip()
+
+
+def run_cli(argv: list[str], env: dict[str, str], input: str | None = None,
+            check: bool = False) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / argv[0]
+    cmd = [str(exe), *argv[1:]] if exe.exists() else argv
+    proc = subprocess.run(cmd, env=env, input=input, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{argv} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+def start_server(db_url: str, tmp: Path, extra_env: dict[str, str] | None = None) -> LiveServer:
+    port = free_port()
+    env = {**os.environ, "CPN_DATABASE_URL": db_url, "CPN_DATA_DIR": str(tmp), "CPN_PORT": str(port),
+           "CPN_CONFIG": str(tmp / "cpnctl.yaml"), "HOME": str(tmp), **(extra_env or {})}
+    env.pop("CPN_SERVER", None)
+    env.pop("CPN_TOKEN", None)
+    exe = Path(sys.executable).parent / "cpn"
+    log = open(tmp / f"server-{port}.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen([str(exe), "serve", "--port", str(port)], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, tmp / f"server-{port}.log")
+    return LiveServer(url=url, env=env, proc=proc)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"server not healthy in {timeout}s: {log.read_text()[-2000:]}")
+
+
+def stop_server(server: LiveServer) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+
+
+@pytest.fixture
+def live_server(db_url: str, tmp_path: Path) -> Iterator[LiveServer]:
+    server = start_server(db_url, tmp_path)
+    yield server
+    stop_server(server)

@@ -1,0 +1,70 @@
+"""The stub Kubernetes API answers the official client's typed calls for Jobs and Services too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from tests.kube_stub import KubeStub, make_pod
+
+
+@pytest.fixture
+def api(kubeconfig: Path) -> k8s.ApiClient:
+    with k8s_config.new_client_from_config(config_file=str(kubeconfig)) as api_client:
+        yield api_client
+
+
+def _job(name: str) -> k8s.V1Job:
+    container = k8s.V1Container(name="worker", image="python:3.11", command=["python", "-c", "print(1)"])
+    template = k8s.V1PodTemplateSpec(spec=k8s.V1PodSpec(containers=[container], restart_policy="Never"))
+    return k8s.V1Job(api_version="batch/v1", kind="Job",
+                     metadata=k8s.V1ObjectMeta(name=name, labels={"cpn.io/job": "j1"}),
+                     spec=k8s.V1JobSpec(template=template, backoff_limit=0))
+
+
+def test_jobs_create_get_list_patch_delete(kube_stub: KubeStub, api: k8s.ApiClient) -> None:
+    batch = k8s.BatchV1Api(api)
+    created = batch.create_namespaced_job("cpn", _job("j1-site-a"))
+    assert created.metadata.uid and created.metadata.namespace == "cpn"
+
+    with pytest.raises(k8s.ApiException) as dup:
+        batch.create_namespaced_job("cpn", _job("j1-site-a"))
+    assert dup.value.status == 409
+
+    batch.patch_namespaced_job_status("j1-site-a", "cpn", {"status": {"succeeded": 1}})
+    assert batch.read_namespaced_job("j1-site-a", "cpn").status.succeeded == 1
+    listed = batch.list_namespaced_job("cpn", label_selector="cpn.io/job=j1").items
+    assert [j.metadata.name for j in listed] == ["j1-site-a"]
+    assert batch.list_namespaced_job("cpn", label_selector="cpn.io/job=other").items == []
+
+    batch.delete_namespaced_job("j1-site-a", "cpn")
+    with pytest.raises(k8s.ApiException) as gone:
+        batch.read_namespaced_job("j1-site-a", "cpn")
+    assert gone.value.status == 404
+
+
+def test_services_get_a_cluster_ip(kube_stub: KubeStub, api: k8s.ApiClient) -> None:
+    body = k8s.V1Service(metadata=k8s.V1ObjectMeta(name="j1-rdzv"),
+                         spec=k8s.V1ServiceSpec(selector={"app": "j1"}, ports=[k8s.V1ServicePort(port=29500)]))
+    created = k8s.CoreV1Api(api).create_namespaced_service("cpn", body)
+
+    assert created.spec.cluster_ip
+    assert kube_stub.get("services", "j1-rdzv", "cpn")["spec"]["ports"] == [{"port": 29500}]
+
+
+def test_hooks_and_custom_routes_extend_the_stub(kube_stub: KubeStub, api: k8s.ApiClient) -> None:
+    def run_job(stub: KubeStub, job: dict) -> None:
+        stub.add(make_pod(job["metadata"]["name"] + "-x1", node="n1", namespace=job["metadata"]["namespace"]))
+
+    kube_stub.on("create", "jobs", run_job)
+    kube_stub.route("GET", r"/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)/log",
+                    lambda stub, req: (200, f"logs of {req.match['name']}\n"))
+
+    k8s.BatchV1Api(api).create_namespaced_job("cpn", _job("j2"))
+    core = k8s.CoreV1Api(api)
+    (pod,) = core.list_namespaced_pod("cpn").items
+    assert pod.metadata.name == "j2-x1"
+    assert core.read_namespaced_pod_log("j2-x1", "cpn") == "logs of j2-x1\n"
