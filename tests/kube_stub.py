@@ -16,7 +16,8 @@ Generic REST over an in-memory store keyed by (group/version, namespace, plural)
     and the same under /apis/{group}/{version}/...       (e.g. batch/v1 jobs)
     GET    /version
 
-`labelSelector` (=, !=, existence) and `fieldSelector` (=, != on dotted paths) filter lists.
+`labelSelector` (=, !=, existence) and `fieldSelector` (=, != on dotted paths) filter lists;
+`limit` and `continue` page them.
 Extend it with `stub.route(method, regex, handler)` for special endpoints (pod logs, …) and
 `stub.on(verb, plural, hook)` to react to changes (a Job controller creating pods, …).
 """
@@ -285,8 +286,13 @@ class KubeStub:
                 items += [_as_item(o) for o in bucket.values()
                           if matches(o, query.get("labelSelector", ""), query.get("fieldSelector", ""))]
         kind = KINDS.get(plural, plural[:-1].capitalize())
-        return {"kind": f"{kind}List", "apiVersion": gv, "metadata": {"resourceVersion": str(next(self._rv))},
-                "items": items}
+        meta: Obj = {"resourceVersion": str(next(self._rv))}
+        if query.get("limit"):  # chunked lists; the continue token here is simply the next offset
+            start, limit = int(query.get("continue") or 0), int(query["limit"])
+            if start + limit < len(items):
+                meta |= {"continue": str(start + limit), "remainingItemCount": len(items) - start - limit}
+            items = items[start : start + limit]
+        return {"kind": f"{kind}List", "apiVersion": gv, "metadata": meta, "items": items}
 
     def _create(self, gv: str, ns: str, plural: str, body: Any) -> Reply:
         if not isinstance(body, dict) or not isinstance(body.get("metadata"), dict):

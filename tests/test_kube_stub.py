@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from tests.kube_stub import KubeStub, make_pod
+from tests.kube_stub import KubeStub, make_node, make_pod
 
 
 @pytest.fixture
-def api(kubeconfig: Path) -> k8s.ApiClient:
+def kube_api(kubeconfig: Path) -> Iterator[k8s.ApiClient]:
     with k8s_config.new_client_from_config(config_file=str(kubeconfig)) as api_client:
         yield api_client
 
@@ -25,8 +26,8 @@ def _job(name: str) -> k8s.V1Job:
                      spec=k8s.V1JobSpec(template=template, backoff_limit=0))
 
 
-def test_jobs_create_get_list_patch_delete(kube_stub: KubeStub, api: k8s.ApiClient) -> None:
-    batch = k8s.BatchV1Api(api)
+def test_jobs_create_get_list_patch_delete(kube_stub: KubeStub, kube_api: k8s.ApiClient) -> None:
+    batch = k8s.BatchV1Api(kube_api)
     created = batch.create_namespaced_job("cpn", _job("j1-site-a"))
     assert created.metadata.uid and created.metadata.namespace == "cpn"
 
@@ -46,16 +47,16 @@ def test_jobs_create_get_list_patch_delete(kube_stub: KubeStub, api: k8s.ApiClie
     assert gone.value.status == 404
 
 
-def test_services_get_a_cluster_ip(kube_stub: KubeStub, api: k8s.ApiClient) -> None:
+def test_services_get_a_cluster_ip(kube_stub: KubeStub, kube_api: k8s.ApiClient) -> None:
     body = k8s.V1Service(metadata=k8s.V1ObjectMeta(name="j1-rdzv"),
                          spec=k8s.V1ServiceSpec(selector={"app": "j1"}, ports=[k8s.V1ServicePort(port=29500)]))
-    created = k8s.CoreV1Api(api).create_namespaced_service("cpn", body)
+    created = k8s.CoreV1Api(kube_api).create_namespaced_service("cpn", body)
 
     assert created.spec.cluster_ip
     assert kube_stub.get("services", "j1-rdzv", "cpn")["spec"]["ports"] == [{"port": 29500}]
 
 
-def test_hooks_and_custom_routes_extend_the_stub(kube_stub: KubeStub, api: k8s.ApiClient) -> None:
+def test_hooks_and_custom_routes_extend_the_stub(kube_stub: KubeStub, kube_api: k8s.ApiClient) -> None:
     def run_job(stub: KubeStub, job: dict) -> None:
         stub.add(make_pod(job["metadata"]["name"] + "-x1", node="n1", namespace=job["metadata"]["namespace"]))
 
@@ -63,8 +64,17 @@ def test_hooks_and_custom_routes_extend_the_stub(kube_stub: KubeStub, api: k8s.A
     kube_stub.route("GET", r"/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)/log",
                     lambda stub, req: (200, f"logs of {req.match['name']}\n"))
 
-    k8s.BatchV1Api(api).create_namespaced_job("cpn", _job("j2"))
-    core = k8s.CoreV1Api(api)
+    k8s.BatchV1Api(kube_api).create_namespaced_job("cpn", _job("j2"))
+    core = k8s.CoreV1Api(kube_api)
     (pod,) = core.list_namespaced_pod("cpn").items
     assert pod.metadata.name == "j2-x1"
     assert core.read_namespaced_pod_log("j2-x1", "cpn") == "logs of j2-x1\n"
+
+
+def test_fixtures_are_valid_kubernetes_objects() -> None:
+    import kubernetes_validate
+
+    for obj in (make_node("gpu-a", gpu_product="NVIDIA-H100-80GB-HBM3", unschedulable=True), make_node("cpu-a"),
+                make_node("down-a", gpu_product="NVIDIA-L40S", gpus=4, ready=False),
+                make_pod("train-0", node="gpu-a", gpus=8), make_pod("queued-0", node=None, gpus=1, phase="Pending")):
+        kubernetes_validate.validate(obj, "1.30", strict=True)

@@ -12,7 +12,7 @@ from aiohttp import web
 from cpn.api import state
 from cpn.api.bodies import json_response
 from cpn.core import errors
-from cpn.core.principal import Principal
+from cpn.core.principal import Principal, Role
 from layers.orchestration.identity import audit, tokens
 
 log = logging.getLogger("cpn.api")
@@ -84,7 +84,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     db = request.app[state.DB]
     async with db.session() as session:
         principal = await tokens.authenticate(session, header)
-    if not request.app[RATE].allow(principal.token_id or principal.account_id):
+    if principal.role is Role.WORKER and request.path != f"/api/v1/jobs/{principal.job}/metrics":
+        raise errors.Forbidden("a worker token may only report metrics for its own job")
+    if principal.role is not Role.WORKER and not request.app[RATE].allow(principal.token_id or principal.account_id):
         raise errors.RateLimited("too many requests for this token; slow down and retry")
     request[PRINCIPAL] = principal
     return await handler(request)

@@ -9,6 +9,8 @@ from aiohttp import web
 from cpn.core.kinds import KindRegistry
 from cpn.core.settings import Settings
 from layers.orchestration.identity import kinds as identity_kinds
+from layers.orchestration.jobs import kinds as job_kinds
+from layers.orchestration.jobs.workflow import Timeouts
 from layers.resource import kinds as resource_kinds
 
 
@@ -16,11 +18,14 @@ def build_registry(settings: Settings) -> KindRegistry:
     registry = KindRegistry()
     registry.register(identity_kinds.kind())
     resource_kinds.register(registry, timedelta(seconds=settings.heartbeat_timeout_seconds))
+    job_kinds.register(registry, Timeouts.of(settings))
     return registry
 
 
 def setup_layer_routes(app: web.Application) -> None:
     """Routes beyond generic CRUD (heartbeats, quotes, accept, metrics …)."""
-    from cpn.api.routes import resource
+    from cpn.api.routes import jobs, lifecycle, resource
 
     resource.setup(app)
+    jobs.setup(app)
+    lifecycle.setup(app)

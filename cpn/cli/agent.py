@@ -38,7 +38,7 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
               server: str | None, token: str | None, interval: float, once: bool, price: str | None,
               register: bool, site: str | None, region: str | None, lat: float | None,
               lon: float | None) -> None:
-    """Heartbeat CLUSTER's allocatable GPUs every --interval seconds.
+    """Heartbeat a cluster's allocatable GPUs to CPN every --interval seconds.
 
     \b
       cpn agent --cluster fra-1-h100 --kubeconfig ~/.kube/config
@@ -48,6 +48,7 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat, not per request
     try:
         target = resolve(server, token, None)
         registration = None

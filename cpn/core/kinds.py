@@ -35,12 +35,15 @@ class Kind:
     kind: str
     plural: str
     short_names: tuple[str, ...]
-    manifest: type[BaseModel]
-    store: ResourceStore
+    manifest: type[BaseModel] | None
+    store: ResourceStore | None
     columns: tuple[Column, ...] = ()
     order: int = 100  # apply order inside one batch (Sites before Clusters before Links)
     verbs: tuple[str, ...] = ("list", "get", "create", "update", "patch", "delete")
     subresources: dict[str, str] = field(default_factory=dict)
+    custom_path: str | None = None  # e.g. /api/v1/jobs/{parent}/quotes for objects under a parent
+    generic_routes: bool = True  # False: the layer's own routes serve this kind
+
 
     @property
     def singular(self) -> str:
@@ -48,7 +51,7 @@ class Kind:
 
     @property
     def path(self) -> str:
-        return f"/api/v1/{self.plural}"
+        return self.custom_path or f"/api/v1/{self.plural}"
 
     def names(self) -> set[str]:
         return {self.kind.lower(), self.plural, *self.short_names}

@@ -33,6 +33,19 @@ class Settings(BaseSettings):
     rate_limit_per_minute: int = Field(default=6000, gt=0, description="Requests per token per minute.")
     environment: str = Field(default="development", description="development | production")
     public_url: str | None = Field(default=None, description="URL workers use to reach this server.")
+    reconcile: bool = Field(default=True, description="Run the job reconciler inside the API server.")
+    reconcile_interval_seconds: float = Field(default=1.0, gt=0)
+    wan_emulation: bool = Field(default=False, description="Local driver: shape WAN links with netns + tbf/htb "
+                                "(needs root).")
+
+    @property
+    def run_root(self) -> Path:
+        return self.data_dir / "runs"
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return (self.public_url or f"http://{host}:{self.port}").rstrip("/")
 
     @field_validator("log_level")
     @classmethod

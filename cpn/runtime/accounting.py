@@ -2,7 +2,8 @@
 
 Two independent kernel sources cross-check the algorithms' own counts (:class:`~cpn.runtime.collectives.Stats`):
 
-- per rank: the TCP sockets the process owns (``ss -tinpH``, field ``bytes_acked``), classified by
+- per rank: the TCP sockets the process owns (``ss -tinpH``: ``bytes_sent`` less ``bytes_retrans``,
+  since ``bytes_acked`` lags behind delayed ACKs), classified by
   peer address — a peer at this site's address (or loopback) is intra-site, anything else is WAN;
 - per site: the WAN veth's interface counters (``/sys/class/net/<veth>/statistics/tx_bytes``, read
   inside the site's namespace, where ``ip netns exec`` mounts that namespace's sysfs).
@@ -20,11 +21,21 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ByteCount", "Meter", "cross_check", "interface_tx_bytes", "socket_bytes_by_peer"]
+from cpn.runtime.netem import ENV_SITE_ADDR
 
-ENV_SITE_ADDR = "CPN_SITE_ADDR"
+__all__ = [
+    "ByteCount",
+    "Meter",
+    "classify",
+    "cross_check",
+    "interface_tx_bytes",
+    "parse_ss",
+    "socket_bytes_by_peer",
+]
+
 _PID_RE = re.compile(r"pid=(\d+),")
-_ACKED_RE = re.compile(r"\bbytes_acked:(\d+)")
+_SENT_RE = re.compile(r"\bbytes_sent:(\d+)")
+_RETRANS_RE = re.compile(r"\bbytes_retrans:(\d+)")
 _LOOPBACK = ("127.", "::1")
 
 
@@ -49,19 +60,27 @@ def _peer_ip(column: str) -> str:
 
 
 def socket_bytes_by_peer(pid: int | None = None) -> dict[tuple[str, str], int]:
-    """``{(local:port, peer:port): bytes_acked}`` for the TCP sockets ``pid`` (default: this process) owns."""
-    pid = os.getpid() if pid is None else pid
+    """``{(local, peer): payload bytes sent}`` for the TCP sockets ``pid`` (default: this process) owns."""
     out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30, check=True).stdout
+    return parse_ss(out, os.getpid() if pid is None else pid)
+
+
+def _field(pattern: re.Pattern[str], line: str) -> int:
+    m = pattern.search(line)
+    return int(m.group(1)) if m else 0
+
+
+def parse_ss(text: str, pid: int) -> dict[tuple[str, str], int]:
+    """Parse ``ss -tinpH``: a socket line (owner in ``users:``) followed by an indented info line."""
     counts: dict[tuple[str, str], int] = {}
     owner: tuple[str, str] | None = None
-    for line in out.splitlines():
+    for line in text.splitlines():
         if line and not line[0].isspace():
             cols = line.split()
             pids = {int(p) for p in _PID_RE.findall(line)}
             owner = (cols[3], cols[4]) if pid in pids and len(cols) >= 5 else None
         elif owner is not None:
-            m = _ACKED_RE.search(line)
-            counts[owner] = int(m.group(1)) if m else 0
+            counts[owner] = _field(_SENT_RE, line) - _field(_RETRANS_RE, line)
             owner = None
     return counts
 
@@ -111,7 +130,9 @@ class Meter:
         return classify(delta, self.site_addr), iface_delta
 
 
-def cross_check(counted: ByteCount, measured: ByteCount, rel: float = 0.05, slack: int = 64 * 1024) -> list[str]:
+def cross_check(
+    counted: ByteCount, measured: ByteCount, rel: float = 0.05, slack: int = 64 * 1024
+) -> list[str]:
     """Where the algorithm's count and the kernel's disagree beyond ``rel`` plus ``slack`` bytes."""
     problems = []
     for name in ("intra", "wan"):

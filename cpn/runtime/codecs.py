@@ -81,18 +81,19 @@ class Int8Codec(Codec):
     def encode(self, x: Tensor) -> Tensor:
         self._check(x.numel())
         rows = x.float().view(-1, self.chunk)
-        scale = rows.abs().amax(dim=1).div_(127.0)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        amax = rows.abs().amax(dim=1)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
         wire = torch.empty(self.wire_bytes(x.numel()), dtype=torch.uint8, device=x.device)
-        wire[: x.numel()].copy_(q.view(-1).view(torch.uint8))
-        wire[x.numel() :].view(torch.float32).copy_(scale)
+        q = rows * inv[:, None]
+        wire[: x.numel()].view(torch.int8).copy_(q.round_().view(-1))
+        wire[x.numel() :].view(torch.float32).copy_(amax.div_(127.0))
         return wire
 
     def decode(self, wire: Tensor, numel: int) -> Tensor:
-        q = wire[:numel].view(torch.int8).view(-1, self.chunk).float()
+        q = wire[:numel].view(torch.int8).view(-1, self.chunk)
         scale = wire[numel:].view(torch.float32)
-        return (q * scale[:, None]).view(-1)
+        out = torch.empty(q.shape, dtype=torch.float32, device=wire.device)
+        return torch.mul(q, scale[:, None], out=out).view(-1)
 
 
 FP16 = FloatCodec(name="fp16", dtype=torch.float16)

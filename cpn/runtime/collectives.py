@@ -62,7 +62,9 @@ class Stats:
     seconds: float = 0.0
 
     def __add__(self, other: Stats) -> Stats:
-        out = Stats(algorithm=self.algorithm or other.algorithm, compression=self.compression or other.compression)
+        out = Stats(
+            algorithm=self.algorithm or other.algorithm, compression=self.compression or other.compression
+        )
         for f in fields(Stats):
             if f.name not in ("algorithm", "compression"):
                 setattr(out, f.name, getattr(self, f.name) + getattr(other, f.name))
@@ -89,6 +91,22 @@ def _half_ring_bytes(group_size: int, nbytes: int) -> int:
     return (group_size - 1) * nbytes // group_size if group_size > 1 else 0
 
 
+def _reduce_scatter_bytes(g: Groups, group_size: int, nbytes: int) -> int:
+    """Gloo implements reduce-scatter as a full all-reduce (measured: 2(P-1)/P sent per rank)."""
+    if g.backend == "gloo":
+        return _ring_bytes(group_size, nbytes)
+    return _half_ring_bytes(group_size, nbytes)
+
+
+def _broadcast_bytes(g: Groups, nbytes: int) -> int:
+    """Gloo broadcasts down a binomial tree; NCCL down a ring.  Counted for this rank."""
+    w, r = g.site_size, (g.local_rank - g.topology.sites[g.site].leader) % g.site_size
+    if g.backend != "gloo":
+        return nbytes if r < w - 1 else 0
+    children = sum(1 for k in range(w.bit_length()) if 2**k > r and r + 2**k < w)
+    return children * nbytes
+
+
 # ----------------------------------------------------------------------------- WAN leg
 def _compressed_allreduce(
     x: Tensor, group: ProcessGroup, codec: Codec, ef: ErrorFeedback | None, key: Hashable
@@ -106,12 +124,16 @@ def _compressed_allreduce(
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     wb = codec.wire_bytes(m)
-    mine = sum(codec.decode(recv[i * wb : (i + 1) * wb], m) for i in range(p))
+    mine = codec.decode(recv[:wb], m)
+    for i in range(1, p):
+        mine += codec.decode(recv[i * wb : (i + 1) * wb], m)
     wire = _encode_parts(mine, 1, m, codec, ef, (key, "gather"))
     gathered = torch.empty(p * wb, dtype=torch.uint8, device=x.device)
     dist.all_gather_into_tensor(gathered, wire, group=group)
-    out = torch.cat([codec.decode(gathered[i * wb : (i + 1) * wb], m) for i in range(p)])
-    x.copy_(out[:n])
+    for i in range(p):
+        part = x[i * m : min(n, (i + 1) * m)]
+        if part.numel():
+            part.copy_(codec.decode(gathered[i * wb : (i + 1) * wb], m)[: part.numel()])
     return 2 * (p - 1) * wb
 
 
@@ -142,10 +164,22 @@ def _wan_leg(
 
 
 # ----------------------------------------------------------------------------- algorithms
-def _flat(buf: Tensor, g: Groups, codec: Codec | None, ef: ErrorFeedback | None, key: Hashable) -> tuple[int, int]:
+def _flat(
+    buf: Tensor, g: Groups, codec: Codec | None, ef: ErrorFeedback | None, key: Hashable
+) -> tuple[int, int]:
+    """Gloo's ring all-reduce sends to rank r-1 and its all-gather to r+1 (measured with ``ss``),
+    so with ranks numbered site by site a site's first rank (all-reduce) or last rank (all-gather)
+    is the one whose ring hop crosses the WAN."""
+    n = g.world_size
     sent = _wan_leg(buf, g.world, codec, ef, key)
-    crosses_wan = g.S > 1 and g.local_rank == g.site_size - 1
-    return (0, sent) if crosses_wan else (sent, 0)
+    if codec is None or not buf.is_floating_point():
+        return (0, sent) if g.S > 1 and g.local_rank == 0 else (sent, 0)
+    wb = sent // (2 * (n - 1)) if n > 1 else 0
+    a2a_wan, a2a_intra = (n - g.site_size) * wb, (g.site_size - 1) * wb
+    gather = (n - 1) * wb
+    if g.S > 1 and g.local_rank == g.site_size - 1:
+        return a2a_intra, a2a_wan + gather
+    return a2a_intra + gather, a2a_wan
 
 
 def _hierarchical(
@@ -165,21 +199,36 @@ def _hierarchical(
         dist.all_gather_into_tensor(padded, shard, group=g.intra)
     if padded is not buf:
         buf.copy_(padded[:n])
-    return 2 * _half_ring_bytes(w, nbytes), wan
+    return _reduce_scatter_bytes(g, w, nbytes) + _half_ring_bytes(w, nbytes), wan
 
 
-def _leader(buf: Tensor, g: Groups, codec: Codec | None, ef: ErrorFeedback | None, key: Hashable) -> tuple[int, int]:
-    nbytes = buf.numel() * buf.element_size()
+def _leader(
+    buf: Tensor, g: Groups, codec: Codec | None, ef: ErrorFeedback | None, key: Hashable
+) -> tuple[int, int]:
+    """Reduce to the leader as reduce-scatter + gather (Rabenseifner), so the bytes are known exactly."""
     w = g.site_size
     intra = 0
     if w > 1:
-        dist.reduce(buf, dst=g.leader_rank, group=g.intra)
-        intra += 0 if g.is_leader else nbytes
+        intra += _reduce_to_leader(buf, g)
     wan = _wan_leg(buf, g.leaders, codec, ef, key) if g.S > 1 and g.is_leader else 0
     if w > 1:
         dist.broadcast(buf, src=g.leader_rank, group=g.intra)
-        intra += (w - 1) * nbytes if g.is_leader else 0
+        intra += _broadcast_bytes(g, buf.numel() * buf.element_size())
     return intra, wan
+
+
+def _reduce_to_leader(buf: Tensor, g: Groups) -> int:
+    w, n = g.site_size, buf.numel()
+    shard_n = -(-n // w)
+    padded = buf if shard_n * w == n else torch.cat([buf, buf.new_zeros(shard_n * w - n)])
+    shard = padded.new_empty(shard_n)
+    dist.reduce_scatter_tensor(shard, padded, group=g.intra)
+    parts = list(padded.chunk(w)) if g.is_leader else None
+    dist.gather(shard, parts, dst=g.leader_rank, group=g.intra)
+    if g.is_leader and padded is not buf:
+        buf.copy_(padded[:n])
+    nbytes = padded.numel() * padded.element_size()
+    return _reduce_scatter_bytes(g, w, nbytes) + (0 if g.is_leader else nbytes // w)
 
 
 _ALGORITHMS = {"flat": _flat, "hierarchical": _hierarchical, "leader": _leader}
@@ -205,7 +254,9 @@ def _finish(tensors: list[Tensor], op: str, world: int) -> None:
         return
     for t in tensors:
         if not t.is_floating_point():
-            raise TypeError(f"op='avg' needs floating tensors, got {t.dtype}; use op='sum' and divide yourself")
+            raise TypeError(
+                f"op='avg' needs floating tensors, got {t.dtype}; use op='sum' and divide yourself"
+            )
         t.div_(world)
 
 
@@ -327,7 +378,7 @@ def broadcast_from_site_leader(
         if g.site_size > 1:
             dist.broadcast(bucket.flat, src=g.leader_rank, group=g.intra)
         bucket.unpack()
-        stats.intra_bytes += (g.site_size - 1) * bucket.nbytes if g.is_leader else 0
+        stats.intra_bytes += _broadcast_bytes(g, bucket.nbytes) if g.site_size > 1 else 0
         stats.payload_bytes += bucket.nbytes
         stats.numel += bucket.flat.numel()
         stats.buckets += 1

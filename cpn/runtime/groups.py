@@ -75,7 +75,11 @@ class Groups:
     def cross_ranks(self) -> list[int]:
         """Global ranks of this rank's same-local-rank group, in site order."""
         t = self.topology
-        return [t.global_rank(s, self.local_rank) for s in range(t.num_sites) if t.sites[s].ranks > self.local_rank]
+        return [
+            t.global_rank(s, self.local_rank)
+            for s in range(t.num_sites)
+            if t.sites[s].ranks > self.local_rank
+        ]
 
 
 def _env_int(name: str, default: int | None = None) -> int:

@@ -14,6 +14,7 @@ get ``failure_grace`` seconds to notice, then they are killed; the whole launch 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import os
 import pickle
@@ -37,6 +38,7 @@ __all__ = ["LaunchError", "LaunchTimeout", "WorkerFailed", "WorkerResult", "free
 
 ENV_SPEC = "CPN_LAUNCH_SPEC"
 ENV_RESULT = "CPN_LAUNCH_RESULT"
+_PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
@@ -126,6 +128,7 @@ def _fork(env: dict[str, str], log_path: Path | None) -> _Forked:
     code = 1
     try:
         os.setsid()
+        _die_with_parent()
         if log_path:
             fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fd, 1)
@@ -139,7 +142,9 @@ def _fork(env: dict[str, str], log_path: Path | None) -> _Forked:
         os._exit(code)
 
 
-def _worker_env(topology: Topology, rank: int, port: int, master: str, extra: Mapping[str, str]) -> dict[str, str]:
+def _worker_env(
+    topology: Topology, rank: int, port: int, master: str, extra: Mapping[str, str]
+) -> dict[str, str]:
     site = topology.site_of(rank)
     env = {"OMP_NUM_THREADS": "1", **os.environ, **extra}
     env.update(
@@ -191,10 +196,18 @@ def _start(
     return workers
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the launcher dies, even by SIGKILL (survives ``ip netns exec``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _popen(argv: list[str], env: dict[str, str], log_path: Path | None) -> subprocess.Popen[bytes]:
     out = open(log_path, "wb") if log_path else None  # noqa: SIM115
     try:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
+        return subprocess.Popen(
+            argv, env=env, stdout=out, stderr=out, start_new_session=True, preexec_fn=_die_with_parent
+        )
     finally:
         if out:
             out.close()
@@ -312,12 +325,15 @@ def launch(
 def _raise_for(why: str | None, results: list[WorkerResult], timeout: float | timedelta) -> None:
     bad = [r for r in results if not r.ok]
     if why == "timeout":
-        raise LaunchTimeout(f"workers did not finish within {_seconds(timeout):.0f}s; raise the timeout", results)
+        raise LaunchTimeout(
+            f"workers did not finish within {_seconds(timeout):.0f}s; raise the timeout", results
+        )
     if bad:
         first = bad[0]
         tail = f":\n{first.log[-2000:]}" if first.log else " (see its stderr above)"
         raise WorkerFailed(
-            f"{len(bad)} of {len(results)} workers failed; rank {first.rank} exited {first.exit_code}{tail}", results
+            f"{len(bad)} of {len(results)} workers failed; rank {first.rank} exited {first.exit_code}{tail}",
+            results,
         )
 
 

@@ -29,7 +29,8 @@ class MetricsSink(Protocol):
 
 
 class FileSink:
-    """One JSON line per report, flushed on every final report and every ``flush``."""
+    """One JSON line per report, flushed at once: the site's job runner tails these files to relay
+    progress to the orchestrator while the run goes on."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -38,8 +39,7 @@ class FileSink:
 
     def emit(self, report: dict[str, Any]) -> None:
         self._fh.write(json.dumps(report, separators=(",", ":")) + "\n")
-        if report.get("final"):
-            self.flush()
+        self.flush()
 
     def flush(self) -> None:
         self._fh.flush()

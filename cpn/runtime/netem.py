@@ -111,7 +111,9 @@ class WanEmulator:
         tag = f"{os.getpid()}"
         self.bridge = f"{PREFIX}{tag}br"
         self.sites = [
-            SiteNet(i, f"{PREFIX}-{tag}-s{i}", f"{PREFIX}{tag}h{i}", f"{PREFIX}{tag}n{i}", f"{SUBNET}.{i + 1}")
+            SiteNet(
+                i, f"{PREFIX}-{tag}-s{i}", f"{PREFIX}{tag}h{i}", f"{PREFIX}{tag}n{i}", f"{SUBNET}.{i + 1}"
+            )
             for i in range(topology.num_sites)
         ]
         self._up = False
@@ -166,8 +168,20 @@ class WanEmulator:
     def _tbf(self, dev: str, mbps: float, netns: str | None = None) -> None:
         where = ("-n", netns) if netns else ()
         _run(
-            "tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbps}mbit",
-            "burst", f"{self.burst_kb}kb", "latency", f"{self.latency_ms}ms",
+            "tc",
+            *where,
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{mbps}mbit",
+            "burst",
+            f"{self.burst_kb}kb",
+            "latency",
+            f"{self.latency_ms}ms",
         )
 
     def _shape(self, s: SiteNet) -> None:
@@ -185,10 +199,46 @@ class WanEmulator:
         rate = f"{up or _FAST_MBPS}mbit"
         burst = f"{self.burst_kb}kb"
         _run(*tc, "qdisc", "replace", "dev", s.veth_ns, "root", "handle", "1:", "htb", "default", "999")
-        _run(*tc, "class", "add", "dev", s.veth_ns, "parent", "1:", "classid", "1:1", "htb",
-             "rate", rate, "ceil", rate, "burst", burst, "cburst", burst)
-        _run(*tc, "class", "add", "dev", s.veth_ns, "parent", "1:1", "classid", "1:999", "htb",
-             "rate", rate, "ceil", rate, "burst", burst, "cburst", burst)
+        _run(
+            *tc,
+            "class",
+            "add",
+            "dev",
+            s.veth_ns,
+            "parent",
+            "1:",
+            "classid",
+            "1:1",
+            "htb",
+            "rate",
+            rate,
+            "ceil",
+            rate,
+            "burst",
+            burst,
+            "cburst",
+            burst,
+        )
+        _run(
+            *tc,
+            "class",
+            "add",
+            "dev",
+            s.veth_ns,
+            "parent",
+            "1:1",
+            "classid",
+            "1:999",
+            "htb",
+            "rate",
+            rate,
+            "ceil",
+            rate,
+            "burst",
+            burst,
+            "cburst",
+            burst,
+        )
         me = self.topology.sites[s.index].name
         for peer in self.sites:
             link = self.topology.link(me, self.topology.sites[peer.index].name)
@@ -196,10 +246,46 @@ class WanEmulator:
                 continue
             pair = f"{min(link.bandwidth_mbps, up or _FAST_MBPS)}mbit"
             cls = f"1:{10 + peer.index}"
-            _run(*tc, "class", "add", "dev", s.veth_ns, "parent", "1:1", "classid", cls, "htb",
-                 "rate", pair, "ceil", pair, "burst", burst, "cburst", burst)
-            _run(*tc, "filter", "add", "dev", s.veth_ns, "parent", "1:", "protocol", "ip", "prio", "1",
-                 "u32", "match", "ip", "dst", f"{peer.ip}/32", "flowid", cls)
+            _run(
+                *tc,
+                "class",
+                "add",
+                "dev",
+                s.veth_ns,
+                "parent",
+                "1:1",
+                "classid",
+                cls,
+                "htb",
+                "rate",
+                pair,
+                "ceil",
+                pair,
+                "burst",
+                burst,
+                "cburst",
+                burst,
+            )
+            _run(
+                *tc,
+                "filter",
+                "add",
+                "dev",
+                s.veth_ns,
+                "parent",
+                "1:",
+                "protocol",
+                "ip",
+                "prio",
+                "1",
+                "u32",
+                "match",
+                "ip",
+                "dst",
+                f"{peer.ip}/32",
+                "flowid",
+                cls,
+            )
 
     # ------------------------------------------------------------------ for the launcher
     @property
@@ -236,7 +322,11 @@ def _alive(pid: int) -> bool:
 
 def list_objects() -> dict[str, list[str]]:
     """Every ``cpnw`` namespace and link on this machine."""
-    ns = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()]
+    ns = [
+        line.split()[0]
+        for line in _run("ip", "netns", "list", check=False).stdout.splitlines()
+        if line.strip()
+    ]
     links = [
         entry["ifname"]
         for entry in json.loads(_run("ip", "-j", "link", "show", check=False).stdout or "[]")
@@ -245,19 +335,19 @@ def list_objects() -> dict[str, list[str]]:
     return {"netns": [n for n in ns if _NS_RE.match(n)], "links": [lk for lk in links if _LINK_RE.match(lk)]}
 
 
-def clean(stale_only: bool = True) -> list[str]:
-    """Remove ``cpnw`` objects; with ``stale_only`` only those whose owning process is gone."""
+def clean(stale_only: bool = True, owner: int | None = None) -> list[str]:
+    """Remove ``cpnw`` objects: those whose owning process is gone (``stale_only``), or all of them;
+    ``owner`` limits it to one process's objects."""
     removed = []
     objs = list_objects()
-    for name in objs["netns"]:
-        pid = int(_NS_RE.match(name).group(1))  # type: ignore[union-attr]
-        if not (stale_only and _alive(pid)):
-            _run("ip", "netns", "del", name, check=False)
-            removed.append(f"netns {name}")
-    for name in objs["links"]:
-        pid = int(_LINK_RE.match(name).group(1))  # type: ignore[union-attr]
-        if not (stale_only and _alive(pid)) and _run("ip", "link", "del", name, check=False).returncode == 0:
-            removed.append(f"link {name}")
+    for kind, pattern, names in (("netns", _NS_RE, objs["netns"]), ("link", _LINK_RE, objs["links"])):
+        for name in names:
+            pid = int(pattern.match(name).group(1))  # type: ignore[union-attr]
+            if (owner is not None and pid != owner) or (stale_only and _alive(pid)):
+                continue
+            cmd = ("ip", "netns", "del", name) if kind == "netns" else ("ip", "link", "del", name)
+            if _run(*cmd, check=False).returncode == 0:
+                removed.append(f"{kind} {name}")
     if removed:
-        log.info("removed stale WAN emulation objects: %s", ", ".join(removed))
+        log.info("removed WAN emulation objects: %s", ", ".join(removed))
     return removed

@@ -11,7 +11,6 @@ so a rank's site and local index follow from the topology alone.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -231,7 +230,9 @@ class Topology(BaseModel):
         try:
             return cls.model_validate_json(raw)
         except ValueError as exc:
-            raise TopologyError(f"{ENV_TOPOLOGY} is not a valid topology JSON ({exc}); unset or regenerate it") from exc
+            raise TopologyError(
+                f"{ENV_TOPOLOGY} is not a valid topology JSON ({exc}); unset or regenerate it"
+            ) from exc
 
     @classmethod
     def single_site(cls, world_size: int) -> Topology:
@@ -266,13 +267,12 @@ def _link(doc: Mapping[str, Any]) -> LinkSpec:
     spec = doc.get("spec") or {}
     try:
         return LinkSpec(
-            a=spec["a"], b=spec["b"], bandwidth_mbps=float(spec["bandwidthGbps"]) * 1000.0,
+            a=spec["a"],
+            b=spec["b"],
+            bandwidth_mbps=float(spec["bandwidthGbps"]) * 1000.0,
             rtt_ms=float(spec.get("rttMs", 0.0)),
         )
     except KeyError as exc:
-        raise TopologyError(f"link {_name(doc)!r} lacks spec.{exc.args[0]}; a Link needs a, b, bandwidthGbps") from exc
-
-
-def topology_json(topology: Topology) -> str:
-    """Compact JSON for logs and the CLI."""
-    return json.dumps(topology.model_dump(), separators=(",", ":"))
+        raise TopologyError(
+            f"link {_name(doc)!r} lacks spec.{exc.args[0]}; a Link needs a, b, bandwidthGbps"
+        ) from exc

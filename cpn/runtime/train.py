@@ -28,6 +28,8 @@ from cpn.runtime.model import build_model
 from cpn.runtime.strategies import Context, Strategy, build_strategy
 from cpn.runtime.topology import Topology
 
+FINAL_MODEL = "final_model.pt"
+
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list) -> float:
@@ -103,6 +105,8 @@ def run_worker(cfg: TrainConfig, run_dir: str | None = None) -> dict | None:
     ctx.store.set(f"cpn/final/{ctx.rank}", json.dumps(final))
     if ctx.rank != 0:
         return None
+    if run_dir:
+        checkpoint.atomic_save(ctx.model.state_dict(), Path(run_dir) / FINAL_MODEL)
     return _summary(ctx, strategy, run_dir, recorder)
 
 
@@ -136,19 +140,24 @@ if __name__ == "__main__":
 
 def run_local(config: TrainConfig, topology: Topology, wan_mbps: float | None = None,
               run_dir: str | Path | None = None, timeout: float = 3600.0,
-              env: dict[str, str] | None = None) -> dict:
-    """Run the job on this machine, S x W processes through the launcher (WAN-shaped if ``wan_mbps``)."""
+              env: dict[str, str] | None = None, start_method: str = "spawn") -> dict:
+    """Run the job on this machine, S x W processes through the launcher (WAN-shaped if ``wan_mbps``).
+
+    ``start_method="fork"`` (no WAN emulation) skips each rank's torch import: what the tests use.
+    """
     run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="cpn-train-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)
     worker_env = {**config.to_env(), ENV_RUN_DIR: str(run_dir), **(env or {})}
     killing = config.faults.kill_site is not None
-    results = launch(topology, "cpn.runtime.train", [], wan_mbps=wan_mbps, env=worker_env, timeout=timeout,
-                     failure_grace=timeout if killing else 10.0, capture_output=True, check=False)
+    entry = "cpn.runtime.train:main" if start_method == "fork" else "cpn.runtime.train"
+    results = launch(topology, entry, [], wan_mbps=wan_mbps, env=worker_env, timeout=timeout,
+                     failure_grace=timeout if killing else 10.0, capture_output=True, check=False,
+                     start_method=start_method)
     planned = {faults.KILLED_EXIT_CODE} if killing else set()
     bad = [r for r in results if r.exit_code != 0 and r.exit_code not in planned]
     summary_path = run_dir / "summary.json"
     if bad or not summary_path.exists():
-        first = bad[0] if bad else results[0]
-        raise RuntimeError(f"training failed: rank {first.rank} exited {first.exit_code}:\n{first.log[-3000:]}")
+        logs = "\n".join(f"--- rank {r.rank} exited {r.exit_code}:\n{r.log[-1500:]}" for r in (bad or results))
+        raise RuntimeError(f"training failed ({len(bad)} ranks), logs in rank order:\n{logs}")
     return json.loads(summary_path.read_text())

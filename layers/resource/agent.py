@@ -183,8 +183,9 @@ async def _send(client: Client, cfg: AgentConfig, observation: Observation, pric
                     int(cfg.interval.total_seconds()), exc.message)
         return
     capacity = "?" if observation.capacity_gpus is None else observation.capacity_gpus
-    log.info("heartbeat cluster=%s ready=%s allocatable=%s/%s pools=%s %s", cfg.cluster, observation.ready,
-             observation.allocatable_gpus, capacity, len(body.get("nodePools", [])), observation.message)
+    pools = f" pools={len(body['nodePools'])}" if "nodePools" in body else ""
+    log.info("heartbeat cluster=%s ready=%s allocatable=%s/%s%s: %s", cfg.cluster, observation.ready,
+             observation.allocatable_gpus, capacity, pools, observation.message)
 
 
 def _transient(exc: ApiError) -> bool:

@@ -4,7 +4,8 @@ Sites sit in real datacenter cities (jittered around the city for the 2nd, 3rd, 
 clusters carry the catalogue's GPU models at market prices; links form a connected graph — the
 minimum spanning tree by great-circle distance plus each site's nearest neighbours — with
 bandwidth falling and RTT rising with distance. Everything is plain dicts in manifest shape so
-that 5,000 clusters take well under a second; `cpnctl apply -f` validates them.
+that 1,000 sites, 5,000 clusters and 2,000 links take a quarter of a second (link search is
+O(sites²) in time, O(sites) in memory); `cpnctl apply -f` validates them.
 """
 
 from __future__ import annotations

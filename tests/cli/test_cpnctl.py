@@ -11,7 +11,6 @@ import yaml
 from tests.api.test_resource import WORLD_A, WORLD_B
 
 
-
 def _yaml(items: list[dict]) -> str:
     return yaml.safe_dump_all(items, sort_keys=False)
 

@@ -11,9 +11,12 @@ import pytest
 from cpn.runtime.launcher import launch
 from cpn.runtime.topology import Topology
 
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="network namespaces, veths and tc qdiscs need root (os.geteuid() != 0)"
-)
+
+@pytest.fixture
+def root() -> None:
+    """Skip unless root: network namespaces, veths and tc qdiscs need it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for network namespaces, veths and tc qdiscs (os.geteuid() != 0)")
 
 
 def _run_workers(
@@ -22,7 +25,14 @@ def _run_workers(
     topo = Topology.uniform(sites, workers_per_site)
     method = "spawn" if wan_mbps else "fork"
     results = launch(
-        topo, fn, args, wan_mbps=wan_mbps, capture_output=True, timeout=120, failure_grace=5, start_method=method
+        topo,
+        fn,
+        args,
+        wan_mbps=wan_mbps,
+        capture_output=True,
+        timeout=120,
+        failure_grace=5,
+        start_method=method,
     )
     return [r.result for r in results]
 

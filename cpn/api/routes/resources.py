@@ -50,7 +50,11 @@ def _handlers(kind: Kind) -> dict[str, Any]:
 
     async def create(request: web.Request) -> web.Response:
         body = await read_raw(request)
+        submit = getattr(store, "submit", None)
         async with request.app[state.DB].session() as s:
+            if submit is not None:  # kinds with a workflow behind creation (jobs: plan and quote)
+                out, created = await submit(s, principal_of(request), body, request.headers.get("Idempotency-Key"))
+                return json_response(out, status=201 if created else 200)
             out = await store.create(s, principal_of(request), body)
         return json_response(out, status=201)
 
@@ -109,7 +113,7 @@ async def apply(request: web.Request) -> web.Response:
     for i, doc in enumerate(docs):
         kind_name = doc.get("kind") if isinstance(doc, dict) else None
         kind = registry.by_kind(kind_name) if isinstance(kind_name, str) else None
-        if kind is None or "create" not in kind.verbs:
+        if kind is None or "create" not in kind.verbs or not kind.generic_routes:
             raise errors.InvalidInput(f"items[{i}].kind: unknown or read-only kind {kind_name!r}",
                                       field=f"items[{i}].kind")
         plan.append((i, kind, doc))
@@ -131,6 +135,7 @@ async def apply(request: web.Request) -> web.Response:
 
 def setup(app: web.Application) -> None:
     for kind in app[state.KINDS].all():
-        register_kind(app, kind)
+        if kind.generic_routes:
+            register_kind(app, kind)
     add(app, apply, RouteDoc("POST", "/api/v1/apply", "Apply many manifests at once (all or nothing)",
                              "apply", request=ApplyRequest, response=ApplyResult))

@@ -24,7 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpn.runtime.strategies.base import Context, Strategy, TokenBudget, flat_params, grads_of, load_flat, lr_at
+from cpn.runtime.strategies.base import (
+    Context,
+    Strategy,
+    TokenBudget,
+    flat_params,
+    grads_of,
+    load_flat,
+    lr_at,
+)
 from cpn.runtime.strategies.gossip import pair_group
 
 OP_PUSH, OP_PULL = 0.0, 1.0
@@ -74,7 +82,7 @@ class Server:
                 push.recv([msg], 0, 0).wait()
                 grad, progress, op = msg[:n], msg[n].item(), msg[n + 1].item()
                 fresh = self.apply(grad, progress) if op == OP_PUSH else self.snapshot()
-                pull.send([fresh], 0, 0).wait()
+                pull.send([fresh], 1, 0).wait()
             except Exception:  # noqa: BLE001 - the worker is gone
                 self.dead.add(worker)
                 return

@@ -30,15 +30,17 @@ from cpn.runtime.strategies.base import (
     flat_params,
     load_flat,
     site_broadcast,
-    site_values,
     site_sync_grads,
+    site_values,
 )
 
 
 def pair_group(store: dist.Store, name: str, src: int, dst: int, me: int, timeout: timedelta) -> dist.ProcessGroup:
     """A two-rank Gloo group for messages src -> dst (rank 0 = src)."""
     prefixed = dist.PrefixStore(f"cpn/{name}/{src}-{dst}", store)
-    return dist.ProcessGroupGloo(prefixed, 0 if me == src else 1, 2, timeout)
+    pg = dist.ProcessGroupGloo(prefixed, 0 if me == src else 1, 2, timeout)
+    pg.allreduce([torch.zeros(1)]).wait()  # connect the pair now: a receive cannot open it lazily
+    return pg
 
 
 class Mailboxes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB
 COUNT_LABEL = "nvidia.com/gpu.count"
 ACTIVE_PHASES = ("Running", "Pending")
 DEFAULT_TIMEOUT_SECONDS = 10.0
+PAGE_SIZE = 500
 
 
 class DiscoveredPool(BaseModel):
@@ -70,15 +71,26 @@ def discover(kubeconfig: str | Path, context: str | None = None, *,
         try:
             version = k8s.VersionApi(api_client).get_code(_request_timeout=timeout).git_version
             core = k8s.CoreV1Api(api_client)
-            nodes = core.list_node(_request_timeout=timeout).items
-            pods = core.list_pod_for_all_namespaces(
-                field_selector="status.phase!=Succeeded,status.phase!=Failed", _request_timeout=timeout
-            ).items
+            nodes = _list_all(core.list_node, timeout)
+            pods = _list_all(core.list_pod_for_all_namespaces, timeout,
+                             field_selector="status.phase!=Succeeded,status.phase!=Failed")
         except OpenApiException as exc:
             raise Unavailable(f"Kubernetes API at {server}: {_describe(exc)}") from exc
         except urllib3.exceptions.HTTPError as exc:
             raise Unavailable(f"Kubernetes API at {server} is unreachable: {_reason(exc)}") from exc
     return summarise(nodes, pods, server_version=version)
+
+
+def _list_all(list_fn: Callable[..., Any], timeout: float, **kwargs: Any) -> list[Any]:
+    """Every item of a list call, fetched in chunks so that large clusters do not time out."""
+    items: list[Any] = []
+    token: str | None = None
+    while True:
+        page = list_fn(limit=PAGE_SIZE, _continue=token, _request_timeout=timeout, **kwargs)
+        items += page.items
+        token = page.metadata._continue if page.metadata else None
+        if not token:
+            return items
 
 
 def summarise(nodes: Iterable[k8s.V1Node], pods: Iterable[k8s.V1Pod], *, server_version: str) -> Discovery:
@@ -88,10 +100,10 @@ def summarise(nodes: Iterable[k8s.V1Node], pods: Iterable[k8s.V1Pod], *, server_
     used = _gpus_in_use(pods, usable)
     groups: dict[tuple[str, int], list[k8s.V1Node]] = {}
     for node in gpu_nodes:
-        per_node = _gpus(node.status.capacity)
-        groups.setdefault((_labels(node).get(PRODUCT_LABEL, "unknown"), per_node), []).append(node)
+        groups.setdefault((_labels(node).get(PRODUCT_LABEL, "unknown"), _gpus_per_node(node)), []).append(node)
     pools: list[DiscoveredPool] = []
-    for (product, per_node), members in sorted(groups.items()):
+    # The biggest group of a product names itself first: one degraded node does not rename a pool.
+    for (product, per_node), members in sorted(groups.items(), key=lambda g: (g[0][0], -len(g[1]), -g[0][1])):
         free = sum(max(0, _gpus(n.status.allocatable) - used.get(n.metadata.name, 0))
                    for n in members if n.metadata.name in usable)
         pools.append(_pool(product, per_node, members, free, {p.name for p in pools}))
@@ -100,6 +112,12 @@ def summarise(nodes: Iterable[k8s.V1Node], pods: Iterable[k8s.V1Pod], *, server_
     return Discovery(node_pools=pools, capacity_gpus=capacity, allocatable_gpus=allocatable,
                      server_version=server_version,
                      conditions=[_ready_condition(len(gpu_nodes), len(usable), allocatable, capacity)])
+
+
+def _gpus_per_node(node: k8s.V1Node) -> int:
+    """What the device plugin offers (allocatable), else the operator's count label, else capacity."""
+    count = _labels(node).get(COUNT_LABEL, "")
+    return _gpus(node.status.allocatable) or (int(count) if count.isdigit() else 0) or _gpus(node.status.capacity)
 
 
 def _api_client(kubeconfig: str | Path, context: str | None) -> k8s.ApiClient:

@@ -145,3 +145,16 @@ def test_cli_prints_multi_document_yaml(tmp_path) -> None:
     docs = [d for d in yaml.safe_load_all(result.stdout) if d]
     assert docs == generate_world(5, 8, seed=3, providers=2, links=6)
     assert "5 sites, 8 clusters, 6 links" in result.stderr
+
+
+async def test_two_providers_apply_their_share_of_the_world(api) -> None:  # type: ignore[no-untyped-def]
+    world = generate_world(8, 16, seed=12, providers=2)
+    share = {"provider1": "prov-a", "provider2": "prov-b"}
+    for kinds in (("Site", "Cluster"), ("Link",)):  # links may join the other provider's sites
+        for provider, who in share.items():
+            items = [d for d in world if d["kind"] in kinds and d["metadata"]["labels"][PROVIDER_LABEL] == provider]
+            resp = await api.client.post("/api/v1/apply", json={"items": items},
+                                         headers={"Authorization": f"Bearer {api.tokens[who]}"})
+            assert resp.status == 200, await resp.text()
+    resp = await api.client.get("/api/v1/links", headers={"Authorization": f"Bearer {api.tokens['alice']}"})
+    assert len((await resp.json())["items"]) == sum(1 for d in world if d["kind"] == "Link")

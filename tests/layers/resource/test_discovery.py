@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from cpn.core.errors import InvalidInput, Unavailable
+from layers.resource.discovery import kubernetes as discovery
 from layers.resource.discovery.kubernetes import discover
 from tests.kube_stub import KubeStub, make_node, make_pod
 
@@ -98,3 +99,29 @@ def test_missing_context_is_invalid_input(kubeconfig: Path) -> None:
     with pytest.raises(InvalidInput, match="kubeconfig") as info:
         discover(kubeconfig, context="nope")
     assert info.value.field == "kubeconfig"
+
+
+def test_large_lists_are_read_in_chunks(kube_stub: KubeStub, kubeconfig: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "PAGE_SIZE", 2)
+    kube_stub.add(*(make_node(f"4090-{i}", gpu_product="NVIDIA-GeForce-RTX-4090", gpus=4) for i in range(5)),
+                  *(make_pod(f"job-{i}", node=f"4090-{i}", gpus=1) for i in range(3)))
+
+    found = discover(kubeconfig)
+
+    assert (found.node_pools[0].name, found.node_pools[0].nodes) == ("rtx4090", 5)
+    assert (found.capacity_gpus, found.allocatable_gpus) == (20, 17)
+    node_pages = [r.query.get("continue") for r in kube_stub.requests if r.path == "/api/v1/nodes"]
+    assert node_pages == [None, "2", "4"]
+
+
+def test_a_node_with_a_failed_gpu_forms_its_own_pool(kube_stub: KubeStub, kubeconfig: Path) -> None:
+    degraded = make_node("h100-b", gpu_product="NVIDIA-H100-80GB-HBM3")
+    degraded["status"]["allocatable"]["nvidia.com/gpu"] = "7"
+    kube_stub.add(make_node("h100-a", gpu_product="NVIDIA-H100-80GB-HBM3"),
+                  make_node("h100-c", gpu_product="NVIDIA-H100-80GB-HBM3"), degraded)
+
+    found = discover(kubeconfig)
+
+    assert [(p.name, p.gpus_per_node, p.nodes) for p in found.node_pools] == [("h100", 8, 2), ("h100-7g", 7, 1)]
+    assert (found.capacity_gpus, found.allocatable_gpus) == (24, 23)

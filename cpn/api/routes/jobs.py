@@ -1,0 +1,128 @@
+"""Job routes beyond CRUD: quotes, accept, reservations, invoices, events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from sqlalchemy import select
+
+from cpn.api import state
+from cpn.api.bodies import json_response, read_model
+from cpn.api.middleware import principal_of
+from cpn.api.openapi import RouteDoc
+from cpn.api.routes import add
+from cpn.core.db import as_utc
+from cpn.core.principal import Role
+from layers.control import leases
+from layers.orchestration.events import list_events
+from layers.orchestration.jobs.workflow import Timeouts, accept_quote
+from layers.resource.models import ClusterRow
+from layers.service import billing
+from layers.service import quotes as quotes_mod
+from layers.service.jobs import JobStore, load_job
+from layers.service.schemas import AcceptRequest, QuotePublic, TrainingJobManifest
+
+TIMEOUTS = web.AppKey("timeouts", Timeouts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f}d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f}h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds}s"
+
+
+def _quote_view(q: dict[str, Any], chosen: str | None) -> dict[str, Any]:
+    q = dict(q)
+    q["metadata"] = {"name": q["label"]}
+    q["chosen"] = "*" if q["label"] == chosen or q["id"] == chosen else ""
+    q["placementSummary"] = ",".join(f"{p['gpus']}x{p['gpuModel']}@{p['site']}" for p in q["placement"])
+    q["gpus"] = sum(p["gpus"] for p in q["placement"])
+    q["predictedDuration"] = _duration(q["predictedSeconds"])
+    return q
+
+
+async def get_quotes(request: web.Request) -> web.Response:
+    principal = principal_of(request)
+    async with request.app[state.DB].session() as s:
+        job = await load_job(s, principal, request.match_info["name"])
+        rows = await quotes_mod.open_quotes(s, job)
+        if not rows and job.status.get("quote"):
+            rows = [await quotes_mod.find_quote(s, job, job.status["quote"])]
+        chosen = job.status.get("quote") or "balanced"
+        items = [_quote_view(quotes_mod.public(q), chosen) for q in rows]
+    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
+
+
+async def post_accept(request: web.Request) -> web.Response:
+    body = await read_model(request, AcceptRequest)
+    principal = principal_of(request)
+    name = request.match_info["name"]
+    result = await accept_quote(request.app[state.DB], principal, name, body.quote, request.app[TIMEOUTS])
+    manifest = JobStore().to_manifest(principal, result.job)
+    manifest["status"]["leases"] = [{"cluster": x.cluster, "gpus": x.gpus, "id": x.id} for x in result.leases]
+    return json_response(manifest)
+
+
+async def get_reservations(request: web.Request) -> web.Response:
+    principal = principal_of(request)
+    async with request.app[state.DB].session() as s:
+        rows = await leases.active(s, job=request.query.get("job"))
+        if principal.role is Role.PROVIDER:
+            mine = set((await s.execute(select(ClusterRow.name).where(ClusterRow.owner_id == principal.account_id)))
+                       .scalars())
+            rows = [r for r in rows if r.cluster in mine]
+        elif not principal.is_admin:
+            rows = [r for r in rows if r.owner_id == principal.account_id]
+    items = [{"apiVersion": "cpn/v1", "kind": "Reservation",
+              "metadata": {"name": r.id[:8], "uid": r.id, "creationTimestamp": as_utc(r.created_at).isoformat()},
+              "spec": {"job": r.job, "subtask": r.subtask, "cluster": r.cluster, "gpus": r.gpus,
+                       "contract": r.contract_id},
+              "status": {"state": r.state, "expiresAt": as_utc(r.expires_at).isoformat() if r.expires_at else None,
+                         "reason": r.reason}} for r in rows]
+    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
+
+
+async def get_invoices(request: web.Request) -> web.Response:
+    principal = principal_of(request)
+    async with request.app[state.DB].session() as s:
+        rows = await billing.entries(s, principal, job=request.query.get("job"))
+    items = billing.invoices(rows, provider_view=principal.role is Role.PROVIDER)
+    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
+
+
+async def get_events(request: web.Request) -> web.Response:
+    principal = principal_of(request)
+    job = request.query.get("job")
+    async with request.app[state.DB].session() as s:
+        if job:
+            await load_job(s, principal, job)
+            jobs: list[str] | None = [job]
+        elif principal.is_admin:
+            jobs = None
+        else:
+            visible, _ = await JobStore().list(s, principal)
+            jobs = [j["metadata"]["name"] for j in visible]
+        items = await list_events(s, jobs)
+    for i, item in enumerate(items):
+        item["metadata"] = {"name": f"{item['job']}.{i}"}
+    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
+
+
+def setup(app: web.Application) -> None:
+    app[TIMEOUTS] = Timeouts.of(app[state.SETTINGS])
+    add(app, get_quotes, RouteDoc("GET", "/api/v1/jobs/{name}/quotes", "Offers for a job", "TrainingJob",
+                                  response=QuotePublic, list_response=True, params=("name",)))
+    add(app, post_accept, RouteDoc("POST", "/api/v1/jobs/{name}/accept", "Accept a quote: contract + leases",
+                                   "TrainingJob", request=AcceptRequest, response=TrainingJobManifest,
+                                   params=("name",)))
+    add(app, get_reservations, RouteDoc("GET", "/api/v1/reservations", "GPU leases", "Reservation",
+                                        query=("job",)))
+    add(app, get_invoices, RouteDoc("GET", "/api/v1/invoices", "Invoices (users) and payouts (providers)",
+                                    "Invoice", query=("job",)))
+    add(app, get_events, RouteDoc("GET", "/api/v1/events", "Job events", "Event", query=("job",)))

@@ -1,0 +1,105 @@
+"""The alpha-beta cost model of the all-reduce algorithms, for predictions next to measurements.
+
+A message of n bytes over a link costs ``alpha + n * beta``.  Per all-reduce of K bytes over S
+sites of W workers (N = S*W), with each site's WAN uplink the bottleneck:
+
+- flat ring over N ranks:  2(N-1) * alpha_wan + 2(N-1)/N * K * beta_wan   (every step waits on a WAN hop,
+  and each site's uplink carries one ring crossing);
+- hierarchical:            2(W-1)/W * K * beta_intra + 2(S-1) * alpha_wan + 2(S-1)/S * K * c * beta_wan;
+- leader:                  2(W-1) * K * beta_intra + 2(S-1) * alpha_wan + 2(S-1)/S * K * c * beta_wan;
+
+plus, when compressed (wire ratio c), the codec's CPU time, shared by the ranks running at once.
+The WAN lower bound for an uncompressed all-reduce is 2(S-1)/S * K / B.  Large messages are
+beta-bound, so flat loses to the others by (N-1)/N : (S-1)/S; small ones are alpha-bound, so the
+algorithm with the fewest WAN-latency steps wins.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["CostParams", "lower_bound_seconds", "predict_seconds", "wire_ratio"]
+
+_ETH_OVERHEAD = 1514 / 1448  # bytes on the wire per TCP payload byte, MTU 1500 with timestamps
+_INT8_CHUNK = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostParams:
+    """Machine constants; the defaults were measured on the 2-core development machines."""
+
+    rtt_ms: float = 0.0
+    intra_gbps: float = 8.0
+    intra_alpha_us: float = 100.0
+    encode_gbytes_s: dict[str, float] | None = None
+    decode_gbytes_s: dict[str, float] | None = None
+    cores: int = os.cpu_count() or 1
+
+    def encode_rate(self, codec: str) -> float:
+        """float32 bytes encoded per second by one core."""
+        return (self.encode_gbytes_s or {"int8": 0.7, "fp16": 3.5, "bf16": 5.0})[codec] * 1e9
+
+    def decode_rate(self, codec: str) -> float:
+        return (self.decode_gbytes_s or {"int8": 1.0, "fp16": 2.3, "bf16": 2.0})[codec] * 1e9
+
+
+def wire_ratio(compression: str | None) -> float:
+    """Wire bytes per float32 byte on the WAN leg."""
+    if compression is None:
+        return 1.0
+    if compression == "int8":
+        return (1 + 4 / _INT8_CHUNK) / 4
+    return 0.5
+
+
+def lower_bound_seconds(size_bytes: float, sites: int, wan_mbps: float) -> float:
+    """2(S-1)/S * K / B: what every site must push through its uplink in an uncompressed all-reduce."""
+    return 2 * (sites - 1) / sites * size_bytes * 8 / (wan_mbps * 1e6)
+
+
+def _codec_seconds(
+    per_rank_bytes: float, sites: int, busy_ranks: int, codec: str | None, p: CostParams
+) -> float:
+    """Encode own parts, decode S parts, encode the sum, decode the gathered result."""
+    if codec is None:
+        return 0.0
+    work = (1 + 1 / sites) * per_rank_bytes / p.encode_rate(codec) + 2 * per_rank_bytes / p.decode_rate(codec)
+    return work * max(1.0, busy_ranks / p.cores)
+
+
+def predict_seconds(
+    algorithm: str,
+    size_bytes: float,
+    sites: int,
+    workers_per_site: int,
+    wan_mbps: float,
+    compression: str | None = None,
+    params: CostParams | None = None,
+) -> float:
+    """Predicted seconds for one all-reduce of ``size_bytes`` float32 bytes."""
+    p = params or CostParams()
+    s, w = sites, workers_per_site
+    n = s * w
+    k = float(size_bytes)
+    a_wan = p.rtt_ms / 2e3 if s > 1 else 0.0
+    b_wan = 8 * _ETH_OVERHEAD / (wan_mbps * 1e6)
+    b_intra = 8 / (p.intra_gbps * 1e9)
+    a_intra = p.intra_alpha_us / 1e6
+    c = wire_ratio(compression)
+    if algorithm == "flat":
+        if s == 1:
+            return 2 * (n - 1) * a_intra + 2 * (n - 1) / n * k * b_intra
+        return (
+            2 * (n - 1) * a_wan
+            + 2 * (n - 1) / n * k * c * b_wan
+            + _codec_seconds(k / n, n, n, compression, p)
+        )
+    wan = 2 * (s - 1) * a_wan + 2 * (s - 1) / s * k * c * b_wan if s > 1 else 0.0
+    if algorithm == "hierarchical":
+        intra = 2 * (w - 1) * a_intra + 2 * (w - 1) / w * k * b_intra
+        return intra + wan + (_codec_seconds(k / w, s, n, compression, p) if s > 1 else 0.0)
+    if algorithm == "leader":
+        intra = 2 * (w - 1) * (a_intra + k * b_intra)
+        return intra + wan + (_codec_seconds(k, s, s, compression, p) if s > 1 else 0.0)
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose flat, hierarchical or leader")

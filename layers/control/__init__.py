@@ -1,0 +1,1 @@
+"""Control layer: the live capacity view, reservations (leases) and the runtime topology."""

@@ -1,0 +1,1 @@
+"""The job workflow: submit → plan → quote → accept → reserve (and, later, launch and watch)."""

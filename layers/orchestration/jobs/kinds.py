@@ -1,0 +1,70 @@
+"""Registers TrainingJob (created through the submit workflow) and the read-only views around it:
+quotes, reservations, invoices, events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from cpn.core.kinds import AGE, Column, Kind, KindRegistry
+from cpn.core.principal import Principal
+from layers.orchestration.jobs import workflow
+from layers.service.jobs import JobStore
+from layers.service.schemas import TrainingJobManifest
+
+
+class OrchestratedJobStore(JobStore):
+    """A job store whose creation plans and quotes the job in the same transaction."""
+
+    def __init__(self, timeouts: workflow.Timeouts):
+        self.timeouts = timeouts
+
+    async def submit(self, session: AsyncSession, principal: Principal, body: Any,
+                     idempotency_key: str | None) -> tuple[dict[str, Any], bool]:
+        return await workflow.submit(session, principal, body, idempotency_key, self.timeouts)
+
+    async def create(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
+        return (await self.submit(session, principal, body, None))[0]
+
+    async def replace(self, session: AsyncSession, principal: Principal, name: str, body: Any,
+                      *, check_version: bool = True) -> dict[str, Any]:
+        await super().replace(session, principal, name, body, check_version=check_version)
+        job = await self.load(session, principal, name)
+        await workflow.requote(session, job, self.timeouts)
+        return self.to_manifest(principal, job)
+
+
+def register(registry: KindRegistry, timeouts: workflow.Timeouts) -> None:
+    registry.register(Kind(
+        kind="TrainingJob", plural="jobs", short_names=("job", "trainingjob", "trainingjobs", "tj"),
+        manifest=TrainingJobManifest, store=OrchestratedJobStore(timeouts), order=50,
+        verbs=("list", "get", "create", "update", "patch", "delete"),
+        columns=(Column("PHASE", "{status.phase}"), Column("PROGRESS", "{status.progress.percent}%"),
+                 Column("LOSS", "{status.progress.loss}"), Column("SITES", "{status.sites}"),
+                 Column("COST", "{status.cost.total}"), AGE,
+                 Column("STRATEGY", "{status.strategy}", wide=True),
+                 Column("ETA", "{status.progress.etaSeconds}", wide=True))))
+    registry.register(Kind(
+        kind="Quote", plural="quotes", short_names=("quote", "qt"), manifest=None, store=None, order=60,
+        verbs=("list",), custom_path="/api/v1/jobs/{parent}/quotes", generic_routes=False,
+        columns=(Column("CHOSEN", "{chosen}"), Column("STRATEGY", "{strategy}"),
+                 Column("PLACEMENT", "{placementSummary}"), Column("GPUS", "{gpus}"),
+                 Column("TIME", "{predictedDuration}"), Column("WAN GB", "{wanGB}"),
+                 Column("PRICE", "{price.total} {price.currency}"), Column("STATE", "{state}"),
+                 Column("ID", "{id}", wide=True), Column("EXPIRES", "{expiresAt}", wide=True))))
+    registry.register(Kind(
+        kind="Reservation", plural="reservations", short_names=("reservation", "lease", "leases", "rsv"),
+        manifest=None, store=None, order=70, verbs=("list",), generic_routes=False,
+        columns=(Column("JOB", "{spec.job}"), Column("CLUSTER", "{spec.cluster}"), Column("GPUS", "{spec.gpus}"),
+                 Column("STATE", "{status.state}"), Column("EXPIRES", "{status.expiresAt}"), AGE)))
+    registry.register(Kind(
+        kind="Invoice", plural="invoices", short_names=("invoice", "inv", "payouts"), manifest=None, store=None,
+        order=80, verbs=("list",), generic_routes=False,
+        columns=(Column("JOB", "{spec.job}"), Column("TOTAL", "{status.total} {spec.currency}"),
+                 Column("LINES", "{status.lineCount}"), Column("CONTRACT", "{spec.contract}", wide=True))))
+    registry.register(Kind(
+        kind="Event", plural="events", short_names=("event", "ev"), manifest=None, store=None, order=90,
+        verbs=("list",), generic_routes=False,
+        columns=(Column("JOB", "{job}"), Column("TYPE", "{type}"), Column("REASON", "{reason}"),
+                 Column("AGE", "{at}", format="age"), Column("MESSAGE", "{message}"))))

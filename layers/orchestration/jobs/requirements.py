@@ -1,0 +1,53 @@
+"""Turn a TrainingJob spec into the planner's typed requirements, and offers into planner inputs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from layers.control.capacity import PoolOffer
+from layers.orchestration.planning.types import ClusterOffer, JobRequirements, ModelShape, Objective, WanLink
+from layers.resource.capacity import LinkView
+from layers.service.schemas import TrainingJobSpec, deadline_seconds
+
+
+def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequirements:
+    shape = spec.model.shape()  # type: ignore[union-attr]
+    deadline = deadline_seconds(spec.deadline, now or datetime.now(UTC)) if spec.deadline else None
+    return JobRequirements(
+        model=ModelShape(parameters=shape["parameters"], layers=shape["layers"], hidden=shape["hidden"],
+                         seq_len=shape["seqLen"]),
+        tokens=spec.tokens, global_batch_tokens=spec.global_batch_tokens, strategy=spec.strategy,
+        inner_steps=spec.inner_steps, compression=None if spec.compression == "none" else spec.compression,
+        overlap=spec.overlap, staleness=spec.staleness, gpus_min=spec.gpus.min, gpus_max=spec.gpus.max,
+        gpu_models=frozenset(spec.gpus.models) or None, sites_min=spec.sites.min, sites_max=spec.sites.max,
+        regions=frozenset(spec.placement.regions) or None, sites=frozenset(spec.placement.sites) or None,
+        exclude_sites=frozenset(spec.placement.exclude_sites), deadline_seconds=deadline,
+        budget=Decimal(spec.budget) if spec.budget is not None else None, currency=spec.currency)
+
+
+def objective(spec: TrainingJobSpec) -> Objective:
+    o = spec.objective
+    if o.cost == 0 and o.time == 0:
+        return Objective(0.5, 0.5)
+    return Objective(cost=o.cost, time=o.time)
+
+
+def planner_inputs(offers: list[PoolOffer], links: list[LinkView], currency: str
+                   ) -> tuple[list[ClusterOffer], list[WanLink]]:
+    cluster_offers = [ClusterOffer(
+        name=o.offer, site=o.site, region=o.region, provider=o.provider, gpu_model=o.gpu_model, tflops=o.tflops,
+        memory_gb=o.memory_gb, free_gpus=o.free_gpus, price_per_gpu_hour=o.price_per_gpu_hour, currency=o.currency,
+        intra_node_gbps=o.intra_node_gbps, inter_node_gbps=o.inter_node_gbps, gpus_per_node=o.gpus_per_node)
+        for o in offers if o.currency == currency and o.free_gpus > 0]
+    wan = [WanLink(a=ln.a, b=ln.b, bandwidth_gbps=ln.bandwidth_gbps, rtt_ms=ln.rtt_ms,
+                   price_per_gb=Decimal(ln.price_per_gb)) for ln in links]
+    return cluster_offers, wan
+
+
+def prediction_dict(pred: Any) -> dict[str, Any]:
+    return {"steps": pred.steps, "computeSecondsPerStep": pred.compute_seconds_per_step,
+            "commSecondsPerStep": pred.comm_seconds_per_step, "stepSeconds": pred.step_seconds,
+            "totalSeconds": pred.total_seconds, "wanBytes": pred.wan_bytes, "intraBytes": pred.intra_bytes,
+            "gpuSecondsByCluster": pred.gpu_seconds_by_cluster}

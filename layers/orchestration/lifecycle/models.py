@@ -1,0 +1,50 @@
+"""Sub-tasks (one replica group per cluster and attempt) and the metric reports of a job."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import DateTime, Float, Integer, String, Text
+from sqlalchemy.orm import Mapped, mapped_column
+
+from cpn.core.db import Base, JSONType, Tracked, new_uid, utcnow
+
+
+class SubtaskRow(Tracked, Base):
+    __tablename__ = "subtasks"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uid)
+    job: Mapped[str] = mapped_column(String(63), index=True, nullable=False)
+    name: Mapped[str] = mapped_column(String(130), nullable=False)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False)
+    launch_key: Mapped[str] = mapped_column(String(220), unique=True, nullable=False)
+    cluster: Mapped[str] = mapped_column(String(63), nullable=False, index=True)
+    site: Mapped[str] = mapped_column(String(63), nullable=False)
+    site_index: Mapped[int] = mapped_column(Integer, nullable=False)
+    gpus: Mapped[int] = mapped_column(Integer, nullable=False)
+    driver: Mapped[str] = mapped_column(String(16), nullable=False)
+    phase: Mapped[str] = mapped_column(String(16), nullable=False, default="Pending")
+    handle: Mapped[dict[str, Any]] = mapped_column(JSONType, nullable=False, default=dict)
+    launches: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    launched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class MetricRow(Tracked, Base):
+    __tablename__ = "job_metrics"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uid)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    job: Mapped[str] = mapped_column(String(63), index=True, nullable=False)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False)
+    rank: Mapped[int] = mapped_column(Integer, nullable=False)
+    site: Mapped[int] = mapped_column(Integer, nullable=False)
+    step: Mapped[int] = mapped_column(Integer, nullable=False)
+    tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    train_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    val_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tokens_per_second: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    wall_seconds: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    wan_bytes: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)

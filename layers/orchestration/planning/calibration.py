@@ -1,0 +1,36 @@
+"""How much of a GPU's peak the compute model assumes a training step achieves (MFU), per GPU model.
+
+The figures are model-FLOPs utilisation for dense transformer training in bf16 at moderate scale,
+as reported for Megatron/torchtitan-style runs: big-memory parts with fast HBM sustain more of
+their (lower) peak than parts whose peak outruns their memory bandwidth. The model multiplies the
+catalogue's peak TFLOPs by these factors, so only the products need to be right.
+
+Local slots (the `local` driver on a machine with no GPU) appear to the planner as a "GPU" of
+model ``CPU``: one slot is one core running fp32 PyTorch, measured at roughly 0.05 TFLOP/s of
+matmul on the development machines, of which a training step keeps about half busy.
+"""
+
+from __future__ import annotations
+
+CPU_MODEL = "CPU"
+CPU_TFLOPS = 0.05
+CPU_MEMORY_GB = 4.0
+DEFAULT_MFU = 0.35
+
+MFU: dict[str, float] = {
+    "H100": 0.40,
+    "A100": 0.45,
+    "L40S": 0.35,
+    "RTX4090": 0.30,
+    CPU_MODEL: 0.50,
+}
+
+
+def mfu(gpu_model: str) -> float:
+    """Calibrated utilisation of `gpu_model`; unknown models get :data:`DEFAULT_MFU`."""
+    return MFU.get(gpu_model, DEFAULT_MFU)
+
+
+def effective_tflops(gpu_model: str, peak_tflops: float) -> float:
+    """TFLOP/s one GPU of this model delivers to a training step."""
+    return peak_tflops * mfu(gpu_model)

@@ -1,0 +1,234 @@
+"""The exact placement solver: mixed-integer programs (scipy.optimize.milp, HiGHS) with tangent cuts.
+
+Variables: x_i ∈ {0..free_i} GPUs of candidate cluster i, z_s ∈ {0, 1} site s used. A *case* fixes
+the strategy, the number of sites S and a WAN level b (two chosen sites must be linked at ≥ b, so
+the ring's slowest hop is at least b). Within a case the communication per step is a constant C,
+and with P = Σ x_i·price_i ($/h), F = Σ x_i·tflops_i·MFU_i (TFLOP/s), work = steps · TFLOP/step,
+B = steps·C + start-up and E the egress bill::
+
+    time = work/F + B,   cost = P·time/3600 + E
+    J    = (a·P + c)/F + b·P + k,   a = w_c·work/(3600·cost_ref), b = w_c·B/(3600·cost_ref),
+                                    c = w_t·work/time_ref,         k = w_c·E/cost_ref + w_t·B/time_ref
+
+J grows with P and falls with F. A placement beats the best value θ found so far iff
+P < h(F) = ((θ−k)·F − c)/(a + b·F); h is concave, so the set of better (P, F) is convex and lies
+below every tangent of h. The solver maximises δ subject to δ ≤ tangent_j(F) − P over a growing set
+of tangents (Kelley's cutting planes): δ ≤ 0 proves that no placement beats θ; a point below the
+tangents but not below h adds the tangent at its F; a better point lowers θ and the tangents with
+it. The budget, P·(work + B·F) ≤ 3600·(budget − E)·F, is the same kind of concave bound and gets
+the same cuts; the deadline is linear, F ≥ work/(deadline − B).
+
+Linear constraints: x_i ≤ free_i·z_s(i), z_s ≤ Σ_{i∈s} x_i, Σ z = S, gpus_min ≤ Σ x ≤ gpus_max,
+z_s + z_t ≤ 1 for sites not linked at ≥ b. Cases are visited in order of a lower bound on J
+(compute on the fastest allowed GPUs, communication at b with no latency and nothing hidden) and
+the search stops when the bound reaches the best plan. "Exact" is exact for this case model; every
+solution is re-scored with :func:`perf.predict` on its real ring and the best real score wins.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix, csr_matrix, vstack
+
+from layers.orchestration.planning import perf
+from layers.orchestration.planning.types import Plan
+
+from layers.orchestration.planning.placement import Fabric
+
+if TYPE_CHECKING:
+    from layers.orchestration.planning.placement import Problem
+
+MAX_CUTS = 30
+MIP_GAP = 1e-7
+PRUNE_GAP = 1e-4  # a case is skipped when its bound is within 0.01 % of the best plan
+GRID = 8  # tangents placed up front, geometrically between the least and the most throughput
+
+
+def solve(problem: Problem, incumbent: Plan | None = None) -> Plan | None:
+    """The best plan; cases whose bound cannot beat `incumbent` (if given) are skipped."""
+    best = incumbent
+    for bound, strategy, sites, level in sorted(_cases(problem), key=lambda case: case[0]):
+        if best is not None and bound >= best.objective_value * (1 - PRUNE_GAP):
+            break
+        found = _Case(problem, strategy, sites, level).solve()
+        if found is not None and (best is None or found.objective_value < best.objective_value):
+            best = found
+    return best
+
+
+def _cases(problem: Problem) -> list[tuple[float, str, int, float]]:
+    levels = sorted({link.bandwidth_gbps for link in problem.links}, reverse=True)
+    fastest = fastest_tflops(problem)
+    cases = []
+    for sites in problem.site_counts():
+        for level in ([np.inf] if sites == 1 else levels):
+            for strategy in problem.strategies(sites):
+                cases.append((_lower_bound(problem, strategy, sites, level, fastest), strategy, sites, level))
+    return cases
+
+
+def fastest_tflops(problem: Problem) -> float:
+    """Throughput of the gpus_max fastest candidate GPUs."""
+    order = np.argsort(-problem.eff, kind="stable")
+    free = problem.free[order]
+    taken = np.clip(free - np.maximum(np.cumsum(free) - problem.gpus_max, 0), 0, free)
+    return float((taken * problem.eff[order]).sum())
+
+
+def _lower_bound(problem: Problem, strategy: str, sites: int, level: float, fastest: float) -> float:
+    names = [f"s{k}" for k in range(sites)]
+    comm, _ = perf.site_comm(problem.req, strategy, 1e18, dict.fromkeys(names, 1),
+                             dict.fromkeys(names, 1.0), level, 0.0)
+    steps = perf.steps_for(problem.req, strategy)
+    overhead = steps * float(comm) + perf.STARTUP_SECONDS
+    seconds = steps * problem.flops / fastest + overhead
+    cost = steps * problem.flops * float((problem.price / problem.eff).min()) / 3600
+    cost += problem.gpus_min * float(problem.price.min()) * overhead / 3600
+    return float(problem.score(cost, seconds))
+
+
+class _Case:
+    """One (strategy, S, b) case: its constants, its fixed rows, and the cutting-plane loop."""
+
+    def __init__(self, problem: Problem, strategy: str, sites: int, level: float):
+        self.problem, self.strategy, self.sites, self.level = problem, strategy, sites, level
+        near = [link for link in problem.links if link.bandwidth_gbps >= level]
+        self.rtt = float(np.median([link.rtt_ms for link in near])) if near else 0.0
+        self.egress_price = float(np.median([float(link.price_per_gb) for link in near])) if near else 0.0
+        self.fabric = Fabric.of(problem.offers)
+        self.steps = perf.steps_for(problem.req, strategy)
+        self.work = self.steps * problem.flops
+        self.n, self.m = len(problem.offers), len(problem.sites)
+        self.width = self.n + self.m + 1  # x, z, delta
+        self.p_scale = float(problem.price.max())
+        self.rows, self.lower, self.upper = self._fixed_rows()
+
+    def solve(self) -> Plan | None:
+        """Cutting planes at the case constants of the largest throughput, then once more at the result's."""
+        best: Plan | None = None
+        tflops, gpus = fastest_tflops(self.problem), float(self.problem.gpus_max)
+        constants = self._constants(tflops, gpus)
+        for _ in range(2):
+            x = self._cutting_planes(tflops, gpus)
+            if x is None:
+                break
+            plan = self.problem.evaluate({i: int(g) for i, g in enumerate(x) if g > 0}, self.strategy, "exact")
+            if plan is not None and (best is None or plan.objective_value < best.objective_value):
+                best = plan
+            tflops, gpus = float(x @ self.problem.eff), float(x.sum())
+            updated = self._constants(tflops, gpus)
+            if np.allclose(updated, constants, rtol=1e-3, atol=1e-6):
+                break
+            constants = updated
+        return best
+
+    def _constants(self, tflops: float, gpus: float) -> tuple[float, float]:
+        """(B = steps·C + start-up, egress bill) at this throughput and GPU count."""
+        names = [f"s{k}" for k in range(self.sites)]
+        share = max(gpus / self.sites, 1.0)
+        comm, sent = perf.site_comm(self.problem.req, self.strategy, self.problem.flops / tflops,
+                                    dict.fromkeys(names, share), dict.fromkeys(names, float(self.fabric.gbps(share))),
+                                    self.level, self.rtt)
+        egress = sum(float(v) for v in sent.values()) * self.steps / 1e9 * self.egress_price
+        return self.steps * float(comm) + perf.STARTUP_SECONDS, egress
+
+    def _cutting_planes(self, tflops_hat: float, gpus_hat: float) -> np.ndarray | None:
+        p = self.problem
+        base, egress = self._constants(tflops_hat, gpus_hat)
+        w_cost, w_time = p.objective.cost / p.cost_ref, p.objective.time / p.time_ref
+        a, b = w_cost * self.work / 3600, w_cost * base / 3600
+        c, k = w_time * self.work, w_cost * egress / p.cost_ref + w_time * base / p.time_ref
+        budget = None if p.req.budget is None else 3600 * (float(p.req.budget) - egress)
+        if budget is not None and budget <= 0:
+            return None
+        floor = 0.0
+        if p.req.deadline_seconds is not None:
+            if p.req.deadline_seconds <= base:
+                return None
+            floor = self.work / (p.req.deadline_seconds - base)
+        theta, best = np.inf, None
+        low = max(float(np.sort(p.eff)[: p.gpus_min].sum()), floor, 1e-9)
+        cuts = list(np.geomspace(low, max(fastest_tflops(p), low), GRID))
+        budget_cuts: list[float] = []
+        for _ in range(MAX_CUTS):
+            x = self._milp(cuts, budget_cuts, theta - k, (a, b, c, base), budget, floor)
+            if x is None:
+                break
+            price, tflops = float(x @ p.price), float(x @ p.eff)
+            if budget is not None and price * (self.work + base * tflops) > budget * tflops * (1 + 1e-9):
+                budget_cuts.append(tflops)
+                continue
+            value = (a * price + c) / tflops + b * price + k
+            if value < theta * (1 - 1e-9):
+                theta, best = value, x
+            elif not np.isfinite(theta):
+                break
+            cuts.append(tflops)
+        return best
+
+    def _milp(self, cuts: list[float], budget_cuts: list[float], theta: float,
+              coefficients: tuple[float, float, float, float], budget: float | None,
+              floor: float) -> np.ndarray | None:
+        """Maximise δ ≤ tangent_j(F) − P (or, with no θ yet, the feasible point of least P)."""
+        p, n, m = self.problem, self.n, self.m
+        a, b, c, base = coefficients
+        rows, lower, upper = [self.rows], list(self.lower), list(self.upper)
+        zeros = np.zeros(m)
+        if floor > 0:
+            rows.append(csr_matrix(np.r_[p.eff, zeros, 0.0][None, :]))
+            lower.append(floor)
+            upper.append(np.inf)
+        for f in budget_cuts if budget is not None else ():
+            denom = self.work + base * f  # P ≤ g(F) = budget·F/(work + B·F), below its tangent at f
+            g, slope = budget * f / denom, budget * self.work / denom**2
+            rows.append(csr_matrix(np.r_[p.price - slope * p.eff, zeros, 0.0][None, :]))
+            lower.append(-np.inf)
+            upper.append(g - slope * f)
+        if np.isfinite(theta):
+            for f in cuts if a + b > 0 else cuts[:1]:
+                lower.append(-np.inf)
+                if a + b == 0:  # time only: better iff F > c/θ
+                    scale = self.p_scale / cuts[0]
+                    rows.append(csr_matrix(np.r_[-scale * p.eff, zeros, self.p_scale][None, :]))
+                    upper.append(-scale * c / theta)
+                    continue
+                h = (theta * f - c) / (a + b * f)
+                slope = (theta * a + b * c) / (a + b * f) ** 2
+                rows.append(csr_matrix(np.r_[p.price - slope * p.eff, zeros, self.p_scale][None, :]))
+                upper.append(h - slope * f)
+            objective = np.r_[np.zeros(n + m), -1.0]
+        else:
+            objective = np.r_[p.price / self.p_scale - 1e-9 * p.eff, zeros, 0.0]
+        result = milp(objective, constraints=LinearConstraint(vstack(rows, format="csr"), lower, upper),
+                      integrality=np.r_[np.ones(n + m), 0.0],
+                      bounds=Bounds(np.r_[np.zeros(n + m), -1e6], np.r_[p.free, np.ones(m), 1e6]),
+                      options={"mip_rel_gap": MIP_GAP})
+        if result.x is None or (np.isfinite(theta) and result.x[-1] <= 1e-9):
+            return None
+        return np.round(result.x[:n]).astype(np.int64)
+
+    def _fixed_rows(self) -> tuple[csr_matrix, list[float], list[float]]:
+        p, n, m = self.problem, self.n, self.m
+        idx = np.arange(n)
+        rows = np.r_[idx, idx, n + p.site_of, n + np.arange(m)]
+        cols = np.r_[idx, n + p.site_of, idx, n + np.arange(m)]
+        vals = np.r_[np.ones(n), -p.free.astype(float), -np.ones(n), np.ones(m)]
+        linking = coo_matrix((vals, (rows, cols)), shape=(n + m, self.width))
+        lower, upper = [-np.inf] * (n + m), [0.0] * (n + m)
+        blocks = [linking, coo_matrix(np.r_[np.zeros(n), np.ones(m), 0.0][None, :]),
+                  coo_matrix(np.r_[np.ones(n), np.zeros(m), 0.0][None, :])]
+        lower += [self.sites, p.gpus_min]
+        upper += [self.sites, p.gpus_max]
+        if self.sites > 1:
+            pairs = np.array([(s, t) for s in range(m) for t in range(s + 1, m)
+                              if p.linked(p.sites[s], p.sites[t]) < self.level]).reshape(-1, 2)
+            if len(pairs):
+                r = np.repeat(np.arange(len(pairs)), 2)
+                blocks.append(coo_matrix((np.ones(2 * len(pairs)), (r, n + pairs.ravel())),
+                                         shape=(len(pairs), self.width)))
+                lower += [-np.inf] * len(pairs)
+                upper += [1.0] * len(pairs)
+        return vstack(blocks, format="csr"), lower, upper

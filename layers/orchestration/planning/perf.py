@@ -1,0 +1,205 @@
+"""The compute model: time, WAN bytes and cost of one job on one placement with one strategy.
+
+Per step (``global_batch_tokens`` tokens):
+
+- compute = 6 · parameters · tokens_per_step / Σ_i gpus_i · peak_i · MFU_i. Batch shares are
+  proportional to throughput, so heterogeneous GPUs finish a step together.
+- communication, with the α-β model: a ring all-reduce of K bytes over N ranks costs
+  2(N−1)/N · K/B + 2(N−1)·α. Inside a site B is NVLink when the site's GPUs fit in one node, else
+  the slowest `inter_node_gbps` of its clusters, and α = 10 µs. Between sites the ring's slowest hop
+  sets B and its RTT sets α = RTT/2 (as in `cpn.runtime.costmodel`); a missing link is an error.
+
+Per strategy (S sites, W_s GPUs at site s, H = inner_steps; "intra" = the slowest site's
+all-reduce of the bf16 gradients, 2 B/param):
+
+| strategy | exposed communication per step | WAN payload |
+|---|---|---|
+| ddp (1 site) | intra | — |
+| ddp (S > 1) | flat ring over all N ranks: 2(N−1)/N·K/B_wan + 2(N−1)·α_wan | bf16 gradients |
+| hierarchical | intra + 2(S−1)/S·K/B_wan + 2(S−1)·α_wan | bf16 gradients |
+| local_sgd | intra + outer/H, outer = hierarchical all-reduce of the pseudo-gradient | fp32 pseudo-gradient |
+| diloco | as local_sgd; with `overlap` only max(0, outer − H·compute)/H is exposed | fp32 pseudo-gradient |
+| ssp | intra + max(0, (S−1)·K/B_wan + α_wan − H·compute)/H: every H steps each site sends its parameters to every other site from background threads (as the runtime does); bounded staleness lets compute run on meanwhile | fp32 parameters |
+| gossip | intra + max(0, K/B_wan + α_wan − H·compute)/H: every H steps one neighbour, in the background | fp32 parameters |
+| async_ps | W_s·(S−1)/S·K/B_wan + 2α_wan: every worker pushes its gradient to and pulls parameters from servers sharded over the sites, and waits for its pull | fp32 gradients |
+
+Compression acts on the WAN leg only: the wire carries min(payload, 4 B · ratio) per parameter,
+ratio 0.5 for fp16/bf16 and (1 + 4/256)/4 for int8 with one fp32 scale per 256 values. So bf16
+gradients gain nothing from fp16/bf16, and a diloco pseudo-gradient halves or quarters.
+
+Steps = ⌈tokens · token_efficiency / tokens_per_step⌉: strategies that average less often or with
+stale values need more tokens for the same loss (:data:`TOKEN_EFFICIENCY`; rough figures from the
+local-SGD / DiLoCo / gossip literature). Total time = steps · (compute + exposed comm) +
+:data:`STARTUP_SECONDS`. Every GPU is billed for the whole run; WAN bytes are counted on the ring's
+hops (each site → its successor) and billed at that link's price per GB (10⁹ bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from functools import reduce
+from typing import Any
+
+import numpy as np
+
+from layers.orchestration.planning import calibration
+from layers.orchestration.planning.ring import Key, best_ring, hops, link_index
+from layers.orchestration.planning.types import (
+    STRATEGIES,
+    Assignment,
+    ClusterOffer,
+    JobRequirements,
+    Prediction,
+    WanLink,
+)
+
+STARTUP_SECONDS = 120.0
+INTRA_ALPHA_SECONDS = 10e-6
+GRADIENT_BYTES = 2  # bf16 gradients inside a site, and for ddp / hierarchical across sites
+TOKEN_EFFICIENCY: dict[str, float] = {
+    "ddp": 1.0, "hierarchical": 1.0, "diloco": 1.0, "local_sgd": 1.03, "ssp": 1.02, "gossip": 1.08,
+    "async_ps": 1.10,
+}
+WAN_PAYLOAD_BYTES: dict[str, int] = {
+    "ddp": 2, "hierarchical": 2, "diloco": 4, "local_sgd": 4, "ssp": 4, "gossip": 4, "async_ps": 4,
+}
+_INT8_CHUNK = 256
+
+
+def wire_ratio(compression: str | None) -> float:
+    """Wire bytes per fp32 byte on the WAN leg."""
+    if compression is None:
+        return 1.0
+    if compression == "int8":
+        return (1 + 4 / _INT8_CHUNK) / 4
+    if compression in ("fp16", "bf16"):
+        return 0.5
+    raise ValueError(f"unknown compression {compression!r}; use fp16, bf16, int8 or none")
+
+
+def wan_bytes_per_param(strategy: str, compression: str | None) -> float:
+    return min(float(WAN_PAYLOAD_BYTES[strategy]), 4.0 * wire_ratio(compression))
+
+
+def steps_for(req: JobRequirements, strategy: str) -> int:
+    return math.ceil(req.tokens * TOKEN_EFFICIENCY[strategy] / req.global_batch_tokens)
+
+
+def flops_per_step(req: JobRequirements) -> float:
+    return 6.0 * req.model.parameters * req.global_batch_tokens
+
+
+def ring_allreduce_seconds(size_bytes: float, ranks: Any, gbps: float, alpha_s: float) -> Any:
+    """2(N−1)/N · K/B + 2(N−1)·α; `ranks` may be a numpy array (0 for N ≤ 1)."""
+    n = np.maximum(np.asarray(ranks, dtype=float), 1.0)
+    return 2 * (n - 1) / n * size_bytes * 8 / (gbps * 1e9) + 2 * (n - 1) * alpha_s
+
+
+def site_comm(req: JobRequirements, strategy: str, compute_s: Any, site_gpus: Mapping[str, Any],
+              intra_gbps: Mapping[str, float], wan_gbps: float, rtt_ms: float) -> tuple[Any, dict[str, Any]]:
+    """(exposed communication seconds per step, WAN bytes each site sends its ring successor per step).
+
+    `compute_s` and the GPU counts may be numpy arrays (one entry per candidate placement): the
+    planner evaluates many GPU totals at once.
+    """
+    params = req.model.parameters
+    sites = len(site_gpus)
+    grads = params * GRADIENT_BYTES
+    intra = reduce(np.maximum, [ring_allreduce_seconds(grads, w, intra_gbps[s], INTRA_ALPHA_SECONDS)
+                                for s, w in site_gpus.items()])
+    if sites == 1:
+        return intra, {}
+    k = params * wan_bytes_per_param(strategy, req.compression)
+    alpha = rtt_ms / 2e3
+    share = 2 * (sites - 1) / sites * k
+    h = max(1, req.inner_steps)
+    if strategy == "ddp":
+        n = sum(site_gpus.values())
+        return ring_allreduce_seconds(k, n, wan_gbps, alpha), dict.fromkeys(site_gpus, 2 * (n - 1) / n * k)
+    if strategy == "hierarchical":
+        return intra + ring_allreduce_seconds(k, sites, wan_gbps, alpha), dict.fromkeys(site_gpus, share)
+    if strategy in ("diloco", "local_sgd"):
+        outer = intra + ring_allreduce_seconds(k, sites, wan_gbps, alpha)
+        if strategy == "diloco" and req.overlap:
+            outer = np.maximum(0.0, outer - h * compute_s)
+        return intra + outer / h, dict.fromkeys(site_gpus, share / h)
+    if strategy in ("ssp", "gossip"):
+        peers = sites - 1 if strategy == "ssp" else 1
+        send = peers * k * 8 / (wan_gbps * 1e9) + alpha
+        return intra + np.maximum(0.0, send - h * compute_s) / h, dict.fromkeys(site_gpus, peers * k / h)
+    if strategy == "async_ps":
+        out = {s: w * (sites - 1) / sites * k for s, w in site_gpus.items()}
+        return reduce(np.maximum, list(out.values())) * 8 / (wan_gbps * 1e9) + 2 * alpha, out
+    raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def intra_gbps_by_site(assignments: list[Assignment], offers: Mapping[str, ClusterOffer]) -> dict[str, float]:
+    """NVLink when a site's GPUs fit in one node of one cluster, else its slowest node fabric."""
+    by_site: dict[str, list[tuple[ClusterOffer, int]]] = {}
+    for a in assignments:
+        by_site.setdefault(a.site, []).append((offers[a.cluster], a.gpus))
+    out = {}
+    for site, items in by_site.items():
+        if len(items) == 1 and items[0][1] <= items[0][0].gpus_per_node:
+            out[site] = items[0][0].intra_node_gbps
+        else:
+            out[site] = min(o.inter_node_gbps for o, _ in items)
+    return out
+
+
+def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
+            offers: dict[str, ClusterOffer], links: list[WanLink], ring: list[str] | None = None) -> Prediction:
+    """Predict time, bytes and cost of running `req` on `assignments` with `strategy`.
+
+    `ring` is the site order of the WAN collectives (default: :func:`ring.best_ring`). Raises
+    ValueError for an unknown strategy, an empty placement, or two adjacent ring sites with no link.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    used = [a for a in assignments if a.gpus > 0]
+    if not used:
+        raise ValueError("empty placement: no assignment has GPUs")
+    site_gpus: dict[str, int] = {}
+    for a in used:
+        site_gpus[a.site] = site_gpus.get(a.site, 0) + a.gpus
+    if ring is None:
+        ring = best_ring(list(site_gpus), links) if len(site_gpus) > 1 else list(site_gpus)
+    index = link_index(links)
+    wan_gbps, rtt_ms, ring_hops = _wan(ring, index)
+    throughput = sum(a.gpus * calibration.effective_tflops(offers[a.cluster].gpu_model, offers[a.cluster].tflops)
+                     for a in used) * 1e12
+    compute = flops_per_step(req) / throughput
+    comm, sent = site_comm(req, strategy, compute, site_gpus, intra_gbps_by_site(used, offers), wan_gbps, rtt_ms)
+    steps = steps_for(req, strategy)
+    comm = float(comm)
+    step = compute + comm
+    total = steps * step + STARTUP_SECONDS
+    egress = {hop: float(sent[hop[0]]) * steps for hop in ring_hops if sent.get(hop[0])}
+    gpu_seconds: dict[str, float] = {}
+    for a in used:
+        gpu_seconds[a.cluster] = gpu_seconds.get(a.cluster, 0.0) + a.gpus * total
+    cost = sum(s / 3600 * float(offers[c].price_per_gpu_hour) for c, s in gpu_seconds.items())
+    cost += sum(b / 1e9 * float(index[hop].price_per_gb) for hop, b in egress.items())
+    return Prediction(
+        strategy=strategy, steps=steps, compute_seconds_per_step=compute, comm_seconds_per_step=comm,
+        step_seconds=step, total_seconds=total, wan_bytes=sum(egress.values()),
+        intra_bytes=_intra_bytes(req, site_gpus) * steps, gpu_seconds_by_cluster=gpu_seconds,
+        egress_bytes_by_link=egress, est_cost=cost,
+    )
+
+
+def _wan(ring: list[str], index: dict[Key, WanLink]) -> tuple[float, float, list[Key]]:
+    ring_hops = hops(ring)
+    missing = [hop for hop in ring_hops if hop not in index]
+    if missing:
+        raise ValueError(f"no link between sites {missing[0][0]} and {missing[0][1]}")
+    if not ring_hops:
+        return math.inf, 0.0, []
+    return (min(index[h].bandwidth_gbps for h in ring_hops), max(index[h].rtt_ms for h in ring_hops), ring_hops)
+
+
+def _intra_bytes(req: JobRequirements, site_gpus: Mapping[str, int]) -> float:
+    """Bytes the sites' ranks send each other per step in the bf16 gradient all-reduce."""
+    grads = req.model.parameters * GRADIENT_BYTES
+    return sum(2 * (w - 1) / w * grads * w for w in site_gpus.values() if w > 1)

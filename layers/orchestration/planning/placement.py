@@ -1,0 +1,321 @@
+"""Placement: choose clusters, GPUs per cluster and a strategy that minimise the weighted objective.
+
+A job is decomposed into one data-parallel replica group per chosen cluster (a sub-task each); the
+groups of one site share the site's fabric, the sites talk over the ring that `ring.best_ring`
+picks. The objective is unit-free::
+
+    J = w_cost · cost / cost_ref + w_time · time / time_ref
+
+with lower bounds as references: ``time_ref`` is the compute-only time on the fastest GPUs the job
+may use (up to ``gpus_max``), ``cost_ref`` the compute-only cost at the best price per effective
+TFLOP among the candidates. So J ≥ w_cost + w_time, and a weight of 0.5 means "as important as the
+other". Every plan is scored with :func:`perf.predict` on its real ring, whatever solver found it.
+
+Constraints: free GPUs now, GPU models, regions, sites allow/deny, sites min/max, GPUs min/max,
+deadline and budget. Multi-site placements need a direct link between each pair of chosen sites
+(sites with no link are unreachable to each other), and at most :data:`MAX_SITES` sites take part
+unless `sites_min` asks for more. With strategy ``auto`` the planner weighs ddp on one site against
+hierarchical all-reduce and DiLoCo (with the job's compression and overlap) across sites, so the
+link bandwidth decides; an explicit strategy is the only one considered.
+
+Two solvers share this module's :class:`Problem`: `exact` (mixed-integer programs, HiGHS) for up to
+:data:`EXACT_UP_TO` candidate clusters and `heuristic` beyond; `auto` picks by size. When nothing is
+feasible, :func:`plan` raises :class:`Infeasible` naming the binding constraint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+
+from cpn.core.errors import Infeasible
+from layers.orchestration.planning import calibration, perf
+from layers.orchestration.planning.ring import Key, best_ring, bottleneck, link_index
+from layers.orchestration.planning.types import (
+    STRATEGIES,
+    Assignment,
+    ClusterOffer,
+    JobRequirements,
+    Objective,
+    Plan,
+    WanLink,
+)
+
+__all__ = ["EXACT_UP_TO", "MAX_SITES", "Fabric", "Problem", "plan", "quote_options"]
+
+EXACT_UP_TO = 40
+MAX_SITES = 8
+AUTO_STRATEGIES = ("ddp", "hierarchical", "diloco")
+SOLVERS = ("auto", "exact", "heuristic")
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A site's network as the surrogates assume it: NVLink up to one node, the node fabric beyond."""
+
+    nvlink_gbps: float
+    node_gbps: float
+    gpus_per_node: int
+
+    @classmethod
+    def of(cls, offers: list[ClusterOffer]) -> Fabric:
+        return cls(float(np.median([o.intra_node_gbps for o in offers])),
+                   float(np.median([o.inter_node_gbps for o in offers])),
+                   int(np.median([o.gpus_per_node for o in offers])))
+
+    def gbps(self, gpus_per_site: Any) -> Any:
+        return np.where(np.asarray(gpus_per_site) <= self.gpus_per_node, self.nvlink_gbps, self.node_gbps)
+
+
+@dataclass
+class Problem:
+    """The candidates of one request as arrays, the references of its objective, and its scoring."""
+
+    req: JobRequirements
+    objective: Objective
+    offers: list[ClusterOffer]
+    links: list[WanLink]
+    eff: np.ndarray  # effective TFLOP/s per GPU
+    price: np.ndarray  # per GPU-hour
+    free: np.ndarray
+    site_of: np.ndarray  # index into `sites`
+    sites: list[str]
+    index: dict[Key, WanLink]
+    flops: float  # TFLOP per step
+    gpus_min: int
+    gpus_max: int
+    sites_min: int
+    sites_max: int
+    time_ref: float = 1.0
+    cost_ref: float = 1.0
+    _rings: dict[frozenset[str], list[str]] = field(default_factory=dict)
+
+    @property
+    def by_name(self) -> dict[str, ClusterOffer]:
+        return {o.name: o for o in self.offers}
+
+    def strategies(self, sites: int) -> tuple[str, ...]:
+        if self.req.strategy != "auto":
+            return (self.req.strategy,)
+        return ("ddp",) if sites == 1 else AUTO_STRATEGIES[1:]
+
+    def site_counts(self) -> range:
+        return range(self.sites_min, min(self.sites_max, len(self.sites)) + 1)
+
+    def linked(self, a: str, b: str) -> float:
+        """Bandwidth of the direct link between two sites (0 when there is none)."""
+        link = self.index.get((a, b))
+        return link.bandwidth_gbps if link else 0.0
+
+    def ring(self, sites: list[str]) -> list[str]:
+        key = frozenset(sites)
+        if key not in self._rings:
+            self._rings[key] = best_ring(sorted(sites), self.links) if len(sites) > 1 else list(sites)
+        return self._rings[key]
+
+    def score(self, cost: Any, seconds: Any) -> Any:
+        return self.objective.cost * cost / self.cost_ref + self.objective.time * seconds / self.time_ref
+
+    def surrogate(self, strategy: str, sites: list[str], gpus: Any, price: Any, tflops: Any,
+                  fabric: Fabric) -> tuple[Any, Any, Any]:
+        """(objective, seconds, cost) of placements on `sites` with these totals (arrays welcome).
+
+        The sites share the GPUs equally and `fabric`; the real split only moves the intra-site
+        term, which :func:`perf.predict` then settles.
+        """
+        ring = self.ring(sites)
+        wan, rtt = bottleneck(ring, self.index)
+        compute = self.flops / np.maximum(tflops, 1e-12)
+        share = np.maximum(gpus / len(sites), 1.0)
+        comm, sent = perf.site_comm(self.req, strategy, compute, dict.fromkeys(sites, share),
+                                    dict.fromkeys(sites, fabric.gbps(share)), wan, rtt)
+        steps = perf.steps_for(self.req, strategy)
+        seconds = steps * (compute + comm) + perf.STARTUP_SECONDS
+        egress = 0.0
+        for a, b in zip(ring, ring[1:] + ring[:1], strict=True) if len(ring) > 1 else ():
+            egress = egress + sent[a] * steps / 1e9 * float(self.index[(a, b)].price_per_gb)
+        cost = price * seconds / 3600 + egress
+        return self.score(cost, seconds), seconds, cost
+
+    def evaluate(self, counts: dict[int, int], strategy: str, solver: str) -> Plan | None:
+        """Score a placement (candidate index → GPUs) with the real model; None if it breaks a constraint."""
+        used = {i: g for i, g in counts.items() if g > 0}
+        sites = sorted({self.sites[self.site_of[i]] for i in used})
+        total = sum(used.values())
+        if not used or not self.gpus_min <= total <= self.gpus_max:
+            return None
+        if not self.sites_min <= len(sites) <= self.sites_max:
+            return None
+        if any(self.linked(a, b) <= 0 for k, a in enumerate(sites) for b in sites[k + 1:]):
+            return None
+        ring = self.ring(sites)
+        assignments = [Assignment(self.offers[i].name, self.offers[i].site, g, self.offers[i].gpu_model)
+                       for i, g in sorted(used.items(), key=lambda item: self.offers[item[0]].name)]
+        prediction = perf.predict(self.req, assignments, strategy, self.by_name, self.links, ring)
+        if self.req.deadline_seconds is not None and prediction.total_seconds > self.req.deadline_seconds:
+            return None
+        if self.req.budget is not None and prediction.est_cost > float(self.req.budget):
+            return None
+        value = float(self.score(prediction.est_cost, prediction.total_seconds))
+        return Plan(assignments, prediction, value, solver, ring)
+
+
+def plan(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
+         solver: str = "auto") -> Plan:
+    """The best placement of `req`; raises :class:`Infeasible` naming the binding constraint."""
+    problem = build_problem(req, offers, links, objective)
+    best = solve(problem, solver)
+    if best is None:
+        raise diagnose(problem, solver)
+    return best
+
+
+def quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
+                  solver: str = "auto") -> dict[str, Plan]:
+    """Cheapest, fastest and balanced (the user's weights) plans; equal plans may repeat under two labels."""
+    out = {"balanced": plan(req, offers, links, objective, solver)}
+    for label, weights in (("cheapest", Objective(cost=1.0, time=0.0)), ("fastest", Objective(cost=0.0, time=1.0))):
+        problem = build_problem(req, offers, links, weights)
+        out[label] = solve(problem, solver) or out["balanced"]
+    return {label: out[label] for label in ("cheapest", "fastest", "balanced")}
+
+
+def solve(problem: Problem, solver: str = "auto") -> Plan | None:
+    from layers.orchestration.planning import exact, heuristic
+
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    quick = heuristic.solve(problem)
+    if solver == "exact" or (solver == "auto" and len(problem.offers) <= EXACT_UP_TO):
+        return exact.solve(problem, incumbent=quick)
+    return quick
+
+
+def build_problem(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink],
+                  objective: Objective) -> Problem:
+    """Filter the candidates and set the references; raises Infeasible when the filters leave too little."""
+    _check_request(req, objective)
+    candidates = _candidates(req, offers)
+    sites = sorted({o.site for o in candidates})
+    site_pos = {s: k for k, s in enumerate(sites)}
+    wanted = set(sites)
+    near = [link for link in links if link.a in wanted and link.b in wanted and link.a != link.b]
+    eff = np.array([calibration.effective_tflops(o.gpu_model, o.tflops) for o in candidates], dtype=float)
+    free = np.array([o.free_gpus for o in candidates], dtype=np.int64)
+    gpus_max = int(min(req.gpus_max if req.gpus_max is not None else free.sum(), free.sum()))
+    problem = Problem(
+        req=req, objective=objective, offers=candidates, links=near, eff=eff,
+        price=np.array([float(o.price_per_gpu_hour) for o in candidates], dtype=float), free=free,
+        site_of=np.array([site_pos[o.site] for o in candidates], dtype=np.int64), sites=sites,
+        index=link_index(near), flops=perf.flops_per_step(req) / 1e12, gpus_min=max(1, req.gpus_min),
+        gpus_max=gpus_max, sites_min=max(1, req.sites_min),
+        sites_max=req.sites_max if req.sites_max is not None else max(MAX_SITES, req.sites_min),
+    )
+    _set_references(problem)
+    return problem
+
+
+def _check_request(req: JobRequirements, objective: Objective) -> None:
+    if req.strategy != "auto" and req.strategy not in STRATEGIES:
+        raise Infeasible(f"unknown strategy {req.strategy!r}; use auto or one of {', '.join(STRATEGIES)}",
+                         field="spec.strategy")
+    if objective.cost < 0 or objective.time < 0 or objective.cost + objective.time <= 0:
+        raise Infeasible("objective weights must be non-negative and not both zero", field="spec.objective")
+    if req.gpus_max is not None and req.gpus_max < req.gpus_min:
+        raise Infeasible(f"gpus.max {req.gpus_max} is below gpus.min {req.gpus_min}", field="spec.gpus.max")
+    if req.sites_max is not None and req.sites_max < req.sites_min:
+        raise Infeasible(f"sites.max {req.sites_max} is below sites.min {req.sites_min}", field="spec.sites.max")
+
+
+def _where(req: JobRequirements) -> str:
+    parts = []
+    if req.regions:
+        parts.append(f"regions [{', '.join(sorted(req.regions))}]")
+    if req.sites:
+        parts.append(f"sites [{', '.join(sorted(req.sites))}]")
+    if req.exclude_sites:
+        parts.append(f"outside [{', '.join(sorted(req.exclude_sites))}]")
+    return "in allowed " + " and ".join(parts) if parts else "anywhere"
+
+
+def _models(req: JobRequirements) -> str:
+    return "/".join(sorted(req.gpu_models)) if req.gpu_models else ""
+
+
+def _candidates(req: JobRequirements, offers: list[ClusterOffer]) -> list[ClusterOffer]:
+    models = [o for o in offers if req.gpu_models is None or o.gpu_model in req.gpu_models]
+    if not models:
+        offered = ", ".join(sorted({o.gpu_model for o in offers})) or "none"
+        raise Infeasible(f"no clusters offer GPU models [{', '.join(sorted(req.gpu_models or ()))}]; "
+                         f"offered: {offered}", field="spec.gpus.models")
+    placed = [o for o in models if (req.regions is None or o.region in req.regions)
+              and (req.sites is None or o.site in req.sites) and o.site not in req.exclude_sites]
+    if not placed:
+        raise Infeasible(f"no {_models(req)} clusters {_where(req)}".replace("  ", " "),
+                         field="spec.placement.regions")
+    candidates = [o for o in placed if o.free_gpus > 0 and o.currency == req.currency]
+    free = sum(o.free_gpus for o in candidates)
+    if free < req.gpus_min:
+        label = f"{_models(req)} GPUs" if req.gpu_models else "GPUs"
+        raise Infeasible(f"no placement: only {free} {label} free {_where(req)}, {req.gpus_min} requested",
+                         field="spec.gpus.min")
+    sites = {o.site for o in candidates}
+    if len(sites) < req.sites_min:
+        raise Infeasible(f"no placement: only {len(sites)} sites have free GPUs {_where(req)}, "
+                         f"sites.min is {req.sites_min}", field="spec.sites.min")
+    return candidates
+
+
+def _set_references(problem: Problem) -> None:
+    """time_ref: compute only, on the gpus_max fastest GPUs; cost_ref: compute only at the best price/TFLOP."""
+    order = np.argsort(-problem.eff, kind="stable")
+    taken = np.minimum(problem.free[order], np.maximum(problem.gpus_max - np.cumsum(problem.free[order])
+                                                       + problem.free[order], 0))
+    fastest = float((taken * problem.eff[order]).sum())
+    steps = min(perf.steps_for(problem.req, s) for s in STRATEGIES)
+    problem.time_ref = steps * problem.flops / fastest + perf.STARTUP_SECONDS
+    best_ratio = float((problem.price / problem.eff).min())
+    problem.cost_ref = max(steps * problem.flops * best_ratio / 3600, 0.01)
+
+
+def diagnose(problem: Problem, solver: str) -> Infeasible:
+    """Why no placement fits: the deadline, the budget, both, or the site graph."""
+    req = problem.req
+    relaxed = _relax(problem, deadline=None, budget=None)
+    fastest = solve(_with_objective(relaxed, Objective(cost=0.0, time=1.0)), solver)
+    if fastest is None:
+        return Infeasible(f"no placement: no {problem.sites_min} sites with free GPUs {_where(req)} "
+                          "are all linked to each other", field="spec.sites.min")
+    hours = fastest.prediction.total_seconds / 3600
+    if req.deadline_seconds is not None and fastest.prediction.total_seconds > req.deadline_seconds:
+        return Infeasible(f"fastest feasible placement needs {hours:.1f} h, deadline is "
+                          f"{req.deadline_seconds / 3600:.3g} h", field="spec.deadline")
+    cheapest = solve(_with_objective(relaxed, Objective(cost=1.0, time=0.0)), solver)
+    cost = cheapest.prediction.est_cost if cheapest else math.inf
+    if req.budget is not None and cost > float(req.budget):
+        return Infeasible(f"cheapest feasible placement costs {cost:.2f} {req.currency}, budget is "
+                          f"{req.budget} {req.currency}", field="spec.budget")
+    return Infeasible(f"no placement meets both the deadline ({req.deadline_seconds / 3600:.3g} h) and "
+                      f"the budget ({req.budget} {req.currency}): the fastest takes {hours:.1f} h for "
+                      f"{fastest.prediction.est_cost:.2f} {req.currency}", field="spec.budget")
+
+
+def _relax(problem: Problem, deadline: float | None, budget: Decimal | None) -> Problem:
+    from dataclasses import replace
+
+    return replace(problem, req=replace(problem.req, deadline_seconds=deadline, budget=budget))
+
+
+def _with_objective(problem: Problem, objective: Objective) -> Problem:
+    from dataclasses import replace
+
+    return replace(problem, objective=objective)
+
+
+def assignments_of(problem: Problem, counts: dict[int, int]) -> list[Assignment]:
+    return [Assignment(problem.offers[i].name, problem.offers[i].site, g, problem.offers[i].gpu_model)
+            for i, g in counts.items() if g > 0]

@@ -1,0 +1,111 @@
+"""Plain typed values the planner works on (no database, no HTTP): offers, links, requirements, plans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+STRATEGIES = ("ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps")
+
+
+@dataclass(frozen=True)
+class ClusterOffer:
+    """One cluster as the planner sees it: GPUs free right now and what they cost."""
+
+    name: str
+    site: str
+    region: str
+    provider: str
+    gpu_model: str
+    tflops: float  # peak dense bf16 per GPU
+    memory_gb: float
+    free_gpus: int
+    price_per_gpu_hour: Decimal
+    currency: str = "USD"
+    intra_node_gbps: float = 600.0
+    inter_node_gbps: float = 100.0
+    gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class WanLink:
+    a: str  # site names
+    b: str
+    bandwidth_gbps: float
+    rtt_ms: float
+    price_per_gb: Decimal
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    parameters: int
+    layers: int
+    hidden: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class JobRequirements:
+    model: ModelShape
+    tokens: int
+    global_batch_tokens: int
+    strategy: str = "auto"  # "auto" or one of STRATEGIES
+    inner_steps: int = 100
+    compression: str | None = None  # None | "fp16" | "bf16" | "int8"
+    overlap: bool = True
+    staleness: int = 4
+    gpus_min: int = 1
+    gpus_max: int | None = None
+    gpu_models: frozenset[str] | None = None
+    sites_min: int = 1
+    sites_max: int | None = None
+    regions: frozenset[str] | None = None
+    sites: frozenset[str] | None = None
+    exclude_sites: frozenset[str] = frozenset()
+    deadline_seconds: float | None = None
+    budget: Decimal | None = None
+    currency: str = "USD"
+
+
+@dataclass(frozen=True)
+class Objective:
+    cost: float = 0.5
+    time: float = 0.5
+
+
+@dataclass(frozen=True)
+class Assignment:
+    cluster: str
+    site: str
+    gpus: int
+    gpu_model: str
+
+
+@dataclass
+class Prediction:
+    """What the compute model predicts for one placement and strategy."""
+
+    strategy: str
+    steps: int
+    compute_seconds_per_step: float
+    comm_seconds_per_step: float  # exposed (not hidden by overlap) communication per step
+    step_seconds: float
+    total_seconds: float
+    wan_bytes: float
+    intra_bytes: float
+    gpu_seconds_by_cluster: dict[str, float] = field(default_factory=dict)
+    egress_bytes_by_link: dict[tuple[str, str], float] = field(default_factory=dict)  # (from_site, to_site)
+    est_cost: float = 0.0  # in the offers' currency; the service prices exactly with Decimals
+
+
+@dataclass
+class Plan:
+    assignments: list[Assignment]
+    prediction: Prediction
+    objective_value: float
+    solver: str
+    ring: list[str] = field(default_factory=list)  # site order the topology should use
+
+    @property
+    def strategy(self) -> str:
+        return self.prediction.strategy

@@ -1,0 +1,1 @@
+"""Service layer: job intake, quotes, contracts, metering, invoices and provider payouts."""

@@ -1,0 +1,58 @@
+"""Prices a plan exactly, with decimals: GPU-hours per cluster and egress per sending site."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Any
+
+CENT = Decimal("0.01")
+MICRO = Decimal("0.000001")
+
+
+@dataclass(frozen=True)
+class Seller:
+    """Who is paid for a cluster's GPUs (and for egress leaving its site)."""
+
+    provider: str
+    provider_account_id: str
+    site: str
+    price_per_gpu_hour: Decimal
+    currency: str
+
+
+def amount(quantity: Decimal, unit_price: Decimal) -> Decimal:
+    return (quantity * unit_price).quantize(CENT, rounding=ROUND_HALF_UP)
+
+
+def line(provider: str, cluster: str, item: str, quantity: Decimal, unit_price: Decimal) -> dict[str, Any]:
+    quantity = quantity.quantize(MICRO, rounding=ROUND_HALF_UP)
+    return {"provider": provider, "cluster": cluster, "item": item, "quantity": str(quantity),
+            "unitPrice": str(unit_price), "amount": str(amount(quantity, unit_price))}
+
+
+def price_lines(gpu_seconds: dict[str, float], egress_bytes: dict[tuple[str, str], float],
+                sellers: dict[str, Seller], link_prices: dict[frozenset[str], Decimal]) -> list[dict[str, Any]]:
+    """GPU-hours for every cluster, then egress billed by the provider of the sending site."""
+    lines = []
+    site_cluster: dict[str, str] = {}
+    for cluster, seconds in sorted(gpu_seconds.items()):
+        seller = sellers[cluster]
+        site_cluster.setdefault(seller.site, cluster)
+        hours = Decimal(repr(seconds)) / Decimal(3600)
+        lines.append(line(seller.provider, cluster, "gpu-hours", hours, seller.price_per_gpu_hour))
+    per_site: dict[tuple[str, Decimal], Decimal] = defaultdict(Decimal)
+    for (src, dst), nbytes in sorted(egress_bytes.items()):
+        unit = link_prices.get(frozenset((src, dst)))
+        if unit is None or nbytes <= 0 or src not in site_cluster:
+            continue
+        per_site[(src, unit)] += Decimal(repr(nbytes)) / Decimal(10**9)
+    for (src, unit), gb in sorted(per_site.items()):
+        cluster = site_cluster[src]
+        lines.append(line(sellers[cluster].provider, cluster, "egress", gb, unit))
+    return lines
+
+
+def total(lines: list[dict[str, Any]]) -> Decimal:
+    return sum((Decimal(x["amount"]) for x in lines), Decimal("0.00"))
