@@ -186,14 +186,15 @@ def run_cli(argv: list[str], env: dict[str, str], input: str | None = None,
     return proc
 
 
-def start_server(db_url: str, tmp: Path, extra_env: dict[str, str] | None = None) -> LiveServer:
-    port = free_port()
+def start_server(db_url: str, tmp: Path, extra_env: dict[str, str] | None = None,
+                 port: int | None = None) -> LiveServer:
+    port = port or free_port()
     env = {**os.environ, "CPN_DATABASE_URL": db_url, "CPN_DATA_DIR": str(tmp), "CPN_PORT": str(port),
            "CPN_CONFIG": str(tmp / "cpnctl.yaml"), "HOME": str(tmp), **(extra_env or {})}
     env.pop("CPN_SERVER", None)
     env.pop("CPN_TOKEN", None)
     exe = Path(sys.executable).parent / "cpn"
-    log = open(tmp / f"server-{port}.log", "w")  # noqa: SIM115 - closed with the process
+    log = open(tmp / f"server-{port}.log", "a")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen([str(exe), "serve", "--port", str(port)], env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, tmp / f"server-{port}.log")

@@ -120,6 +120,7 @@ def catalog() -> None:
 
 def run() -> None:
     """Entry point: any failure becomes one line on stderr and exit code 1 (CPN_DEBUG=1 for a traceback)."""
+    from cpn.client import ApiError
     from cpn.core.errors import CPNError
 
     try:
@@ -133,6 +134,9 @@ def run() -> None:
     except CPNError as exc:
         click.echo(f"error: {exc.message}", err=True)
         sys.exit(1)
+    except ApiError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - the CLI boundary: no traceback reaches a user
@@ -140,3 +144,7 @@ def run() -> None:
             raise
         click.echo(f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    run()

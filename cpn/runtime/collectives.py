@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -89,13 +90,6 @@ def _ring_bytes(group_size: int, nbytes: int) -> int:
 def _half_ring_bytes(group_size: int, nbytes: int) -> int:
     """What one rank sends in a ring reduce-scatter or all-gather: (P-1)/P of the buffer."""
     return (group_size - 1) * nbytes // group_size if group_size > 1 else 0
-
-
-def _reduce_scatter_bytes(g: Groups, group_size: int, nbytes: int) -> int:
-    """Gloo implements reduce-scatter as a full all-reduce (measured: 2(P-1)/P sent per rank)."""
-    if g.backend == "gloo":
-        return _ring_bytes(group_size, nbytes)
-    return _half_ring_bytes(group_size, nbytes)
 
 
 def _broadcast_bytes(g: Groups, nbytes: int) -> int:
@@ -182,60 +176,129 @@ def _flat(
     return a2a_intra + gather, a2a_wan
 
 
-def _hierarchical(
-    buf: Tensor, g: Groups, codec: Codec | None, ef: ErrorFeedback | None, key: Hashable
-) -> tuple[int, int]:
-    w = g.W
+@dataclass
+class _Job:
+    """One bucket between the phases of a two-level algorithm: intra (pre) -> WAN -> intra (post)."""
+
+    buf: Tensor
+    padded: Tensor
+    shard: Tensor
+    key: Hashable
+    intra: int = 0
+    wan: int = 0
+
+
+def _pad(buf: Tensor, parts: int) -> Tensor:
     n = buf.numel()
-    shard_n = -(-n // w)
-    padded = buf if shard_n * w == n else torch.cat([buf, buf.new_zeros(shard_n * w - n)])
-    nbytes = padded.numel() * padded.element_size()
-    shard = padded
-    if w > 1:
-        shard = padded.new_empty(shard_n)
-        dist.reduce_scatter_tensor(shard, padded, group=g.intra)
-    wan = _wan_leg(shard, g.cross, codec, ef, key) if g.S > 1 else 0
-    if w > 1:
-        dist.all_gather_into_tensor(padded, shard, group=g.intra)
-    if padded is not buf:
-        buf.copy_(padded[:n])
-    return _reduce_scatter_bytes(g, w, nbytes) + _half_ring_bytes(w, nbytes), wan
+    extra = -n % parts
+    return torch.cat([buf, buf.new_zeros(extra)]) if extra else buf
 
 
-def _leader(
-    buf: Tensor, g: Groups, codec: Codec | None, ef: ErrorFeedback | None, key: Hashable
-) -> tuple[int, int]:
-    """Reduce to the leader as reduce-scatter + gather (Rabenseifner), so the bytes are known exactly."""
+def _reduce_scatter(padded: Tensor, g: Groups) -> tuple[Tensor, int]:
+    """Intra-site reduce-scatter; returns this rank's reduced 1/W shard and the bytes sent.
+
+    Gloo's ``reduce_scatter_tensor`` is a full all-reduce underneath (2(W-1)/W of the buffer sent,
+    measured), so on Gloo it is an ``all_to_all`` plus a local sum: (W-1)/W, the textbook amount.
+    """
     w = g.site_size
-    intra = 0
-    if w > 1:
-        intra += _reduce_to_leader(buf, g)
-    wan = _wan_leg(buf, g.leaders, codec, ef, key) if g.S > 1 and g.is_leader else 0
-    if w > 1:
-        dist.broadcast(buf, src=g.leader_rank, group=g.intra)
-        intra += _broadcast_bytes(g, buf.numel() * buf.element_size())
-    return intra, wan
-
-
-def _reduce_to_leader(buf: Tensor, g: Groups) -> int:
-    w, n = g.site_size, buf.numel()
-    shard_n = -(-n // w)
-    padded = buf if shard_n * w == n else torch.cat([buf, buf.new_zeros(shard_n * w - n)])
-    shard = padded.new_empty(shard_n)
-    dist.reduce_scatter_tensor(shard, padded, group=g.intra)
-    parts = list(padded.chunk(w)) if g.is_leader else None
-    dist.gather(shard, parts, dst=g.leader_rank, group=g.intra)
-    if g.is_leader and padded is not buf:
-        buf.copy_(padded[:n])
     nbytes = padded.numel() * padded.element_size()
-    return _reduce_scatter_bytes(g, w, nbytes) + (0 if g.is_leader else nbytes // w)
+    if w == 1:
+        return padded, 0
+    if g.backend != "gloo":
+        shard = padded.new_empty(padded.numel() // w)
+        dist.reduce_scatter_tensor(shard, padded, group=g.intra)
+        return shard, _half_ring_bytes(w, nbytes)
+    recv = torch.empty_like(padded)
+    dist.all_to_all_single(recv, padded, group=g.intra)
+    return recv.view(w, -1).sum(dim=0), _half_ring_bytes(w, nbytes)
 
 
-_ALGORITHMS = {"flat": _flat, "hierarchical": _hierarchical, "leader": _leader}
+class _Hierarchical:
+    """2D torus: reduce-scatter in the site, W parallel cross-site all-reduces, all-gather in the site."""
+
+    @staticmethod
+    def pre(buf: Tensor, g: Groups, key: Hashable) -> _Job:
+        padded = _pad(buf, g.site_size)
+        shard, sent = _reduce_scatter(padded, g)
+        return _Job(buf, padded, shard, key, intra=sent)
+
+    @staticmethod
+    def wan(job: _Job, g: Groups, codec: Codec | None, ef: ErrorFeedback | None) -> None:
+        if g.S > 1:
+            job.wan += _wan_leg(job.shard, g.cross, codec, ef, job.key)
+
+    @staticmethod
+    def post(job: _Job, g: Groups) -> None:
+        w = g.site_size
+        if w > 1:
+            dist.all_gather_into_tensor(job.padded, job.shard, group=g.intra)
+            job.intra += _half_ring_bytes(w, job.padded.numel() * job.padded.element_size())
+        if job.padded is not job.buf:
+            job.buf.copy_(job.padded[: job.buf.numel()])
+
+
+class _Leader:
+    """Reduce to the site leader (reduce-scatter + gather), leaders all-reduce, broadcast in the site."""
+
+    @staticmethod
+    def pre(buf: Tensor, g: Groups, key: Hashable) -> _Job:
+        w = g.site_size
+        if w == 1:
+            return _Job(buf, buf, buf, key)
+        padded = _pad(buf, w)
+        shard, sent = _reduce_scatter(padded, g)
+        parts = list(padded.chunk(w)) if g.is_leader else None
+        dist.gather(shard, parts, dst=g.leader_rank, group=g.intra)
+        sent += 0 if g.is_leader else shard.numel() * shard.element_size()
+        return _Job(buf, padded, padded, key, intra=sent)
+
+    @staticmethod
+    def wan(job: _Job, g: Groups, codec: Codec | None, ef: ErrorFeedback | None) -> None:
+        if g.S > 1 and g.is_leader:
+            job.wan += _wan_leg(job.padded, g.leaders, codec, ef, job.key)
+
+    @staticmethod
+    def post(job: _Job, g: Groups) -> None:
+        if g.site_size > 1:
+            dist.broadcast(job.padded, src=g.leader_rank, group=g.intra)
+            job.intra += _broadcast_bytes(g, job.padded.numel() * job.padded.element_size())
+        if job.padded is not job.buf:
+            job.buf.copy_(job.padded[: job.buf.numel()])
+
+
+_TWO_LEVEL = {"hierarchical": _Hierarchical, "leader": _Leader}
+
+
+def _run_two_level(
+    algo: type[_Hierarchical] | type[_Leader],
+    bufs: list[Tensor],
+    g: Groups,
+    codec: Codec | None,
+    ef: ErrorFeedback | None,
+    key: Hashable,
+) -> list[_Job]:
+    """Pipeline buckets: while bucket i is on the WAN (one background thread, so the WAN groups see
+    the same order on every rank), the main thread reduces bucket i+1 inside the site."""
+    if len(bufs) == 1:
+        job = algo.pre(bufs[0], g, (key, 0))
+        algo.wan(job, g, codec, ef)
+        algo.post(job, g)
+        return [job]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpn-wan") as pool:
+        staged = []
+        for i, buf in enumerate(bufs):
+            job = algo.pre(buf, g, (key, i))
+            staged.append((job, pool.submit(algo.wan, job, g, codec, ef)))
+        for job, fut in staged:
+            fut.result()
+            algo.post(job, g)
+    return [job for job, _ in staged]
+
+
 
 
 def _resolve(algorithm: str, g: Groups) -> str:
-    if algorithm not in _ALGORITHMS:
+    if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     if algorithm == "hierarchical" and g.W is None:
         raise TopologyError(
@@ -289,8 +352,13 @@ def allreduce(
     tensors = _as_list(tensors)
     stats = Stats(algorithm=algorithm, compression=codec.name if codec else None)
     t0 = time.perf_counter()
-    for i, bucket in enumerate(make_buckets(tensors, bucket_bytes)):
-        intra, wan = _ALGORITHMS[algorithm](bucket.flat, g, codec, error_feedback, (key, i))
+    buckets = make_buckets(tensors, bucket_bytes)
+    if algorithm == "flat":
+        counts = [_flat(b.flat, g, codec, error_feedback, (key, i)) for i, b in enumerate(buckets)]
+    else:
+        jobs = _run_two_level(_TWO_LEVEL[algorithm], [b.flat for b in buckets], g, codec, error_feedback, key)
+        counts = [(job.intra, job.wan) for job in jobs]
+    for bucket, (intra, wan) in zip(buckets, counts, strict=True):
         bucket.unpack()
         stats.intra_bytes += intra
         stats.wan_bytes += wan

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,26 +23,28 @@ VAL_FRACTION = 0.05
 _CACHE = Path(os.environ.get("CPN_CACHE_DIR", Path.home() / ".cache" / "cpn"))
 
 
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
 def stdlib_files(root: str | None = None) -> list[Path]:
+    """The standard library's .py files in sorted relative-path order (installed packages pruned)."""
     base = Path(root or sysconfig.get_paths()["stdlib"])
     files = []
-    for path in base.rglob("*.py"):
-        top = path.relative_to(base).parts[0]
-        if top in ("site-packages", "dist-packages", "test", "idlelib") or "tests" in path.parts:
-            continue
-        files.append(path)
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
     return sorted(files, key=lambda p: p.relative_to(base).as_posix())
 
 
 def load_corpus(max_bytes: int = 8_000_000) -> np.ndarray:
     """The concatenated sources as uint8, cached on disk after the first read."""
-    files = stdlib_files()
-    key = hashlib.sha256(f"{max_bytes}:{len(files)}:{files[-1].name}".encode()).hexdigest()[:16]
+    stdlib = sysconfig.get_paths()["stdlib"]
+    key = hashlib.sha256(f"{max_bytes}:{stdlib}:{sys.version}".encode()).hexdigest()[:16]
     cached = _CACHE / f"corpus-{key}.bin"
     if cached.exists():
         return np.fromfile(cached, dtype=np.uint8)
     chunks, size = [], 0
-    for path in files:
+    for path in stdlib_files(stdlib):
         data = path.read_bytes()
         chunks.append(data)
         size += len(data)

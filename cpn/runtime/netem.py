@@ -93,7 +93,12 @@ class SiteNet:
 
 
 class WanEmulator:
-    """Context manager: builds the namespaces and shaping on enter, removes them on exit."""
+    """Context manager: builds the namespaces and shaping on enter, removes them on exit.
+
+    Names carry the process id, so one process runs one emulator at a time.
+    """
+
+    _active: set[int] = set()
 
     def __init__(
         self,
@@ -121,7 +126,12 @@ class WanEmulator:
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> WanEmulator:
         require_root()
+        if os.getpid() in WanEmulator._active:
+            raise NetemError(
+                "this process already runs a WAN emulation; finish that launch before starting another"
+            )
         clean(stale_only=True)
+        WanEmulator._active.add(os.getpid())
         try:
             self._setup()
         except BaseException:
@@ -153,6 +163,7 @@ class WanEmulator:
 
     def teardown(self) -> None:
         """Remove this emulator's namespaces, veths and bridge; safe to call twice."""
+        WanEmulator._active.discard(os.getpid())
         if not self._up:
             return
         for s in self.sites:

@@ -48,6 +48,9 @@ def setup(cfg: TrainConfig) -> tuple[Context, Strategy]:
                   micro_batch=cfg.sequences_per_worker(world), checkpoint_dir=Path(ckpt_dir) if ckpt_dir else None)
     ctx.val = val_batches(split.val, seq_len=cfg.seq_len, batches=cfg.val_batches) if groups.rank == 0 else []
     strategy = build_strategy(ctx)
+    if ctx.checkpoint_dir is not None and groups.rank == 0:  # what `cpn train --resume DIR` restarts from
+        checkpoint.atomic_write_json(cfg.model_dump(), ctx.checkpoint_dir / "config.json")
+        checkpoint.atomic_write_json(groups.topology.model_dump(), ctx.checkpoint_dir / "topology.json")
     if cfg.resume:
         restored = checkpoint.load(cfg.resume, groups.site)
         if restored is None:

@@ -67,6 +67,8 @@ class KubernetesRef(CamelModel):
     server: str | None = None
     namespace: str = "default"
     context: str | None = None
+    queue: str | None = Field(default=None, description="Kueue LocalQueue for gang admission (default cpn)")
+    image: str | None = Field(default=None, description="Worker image (default cpn:latest)")
 
 
 class Interconnect(CamelModel):

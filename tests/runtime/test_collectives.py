@@ -57,8 +57,7 @@ def _check_stats(alg: str) -> str | None:
     stats = allreduce(torch.ones(n), algorithm=alg)
     nbytes = 4 * n
     if alg == "hierarchical":
-        # Gloo's reduce-scatter is an all-reduce (2(W-1)/W), the all-gather (W-1)/W.
-        want = (3 * (w - 1) * nbytes // w, 2 * (s - 1) * (nbytes // w) // s)
+        want = (2 * (w - 1) * nbytes // w, 2 * (s - 1) * (nbytes // w) // s)
         if (stats.intra_bytes, stats.wan_bytes) != want:
             return f"{alg}: counted {(stats.intra_bytes, stats.wan_bytes)}, expected {want}"
     int8 = allreduce(torch.ones(n), algorithm=alg, compression="int8")

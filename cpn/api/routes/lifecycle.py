@@ -9,23 +9,29 @@ from datetime import timedelta
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import Gauge
 from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
 from cpn.api import state
 from cpn.api.bodies import json_response, read_model
+from cpn.api.metrics import REGISTRY
 from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
+from cpn.api.routes.system import REFRESH
 from cpn.core import errors
+from cpn.core.principal import Role
 from layers.control.capacity import leased_gpus
 from layers.orchestration.lifecycle import metering
 from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
 from layers.resource.capacity import inventory
 from layers.resource.drivers.local import driver_for
+from layers.resource.models import ClusterRow
 from layers.service.contracts import contract_of
 from layers.service.jobs import JobStore, load_job
+from layers.service.models import JobRow
 
 RECONCILER = web.AppKey("reconciler", Reconciler)
 
@@ -53,7 +59,7 @@ async def get_metrics(request: web.Request) -> web.Response:
                                 .limit(5000))).scalars().all()
     items = [{"attempt": r.attempt, "rank": r.rank, "site": r.site, "step": r.step, "tokens": r.tokens,
               "trainLoss": r.train_loss, "valLoss": r.val_loss, "tokensPerSecond": r.tokens_per_second,
-              "wallSeconds": r.wall_seconds, "at": r.at.isoformat()} for r in rows]
+              "wallSeconds": r.wall_seconds, "wanBytes": r.wan_bytes, "at": r.at.isoformat()} for r in rows]
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 
@@ -169,8 +175,66 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
 
 
+async def get_all_subtasks(request: web.Request) -> web.Response:
+    """Sub-tasks the caller may see: a provider those on its clusters (never the job's spec or data
+    settings), a user those of its own jobs, an admin all."""
+    principal = principal_of(request)
+    async with request.app[state.DB].session() as s:
+        stmt = select(SubtaskRow).order_by(SubtaskRow.job, SubtaskRow.attempt, SubtaskRow.site_index)
+        if principal.role is Role.PROVIDER:
+            mine = select(ClusterRow.name).where(ClusterRow.owner_id == principal.account_id)
+            stmt = stmt.where(SubtaskRow.cluster.in_(mine))
+        elif not principal.is_admin:
+            own = select(JobRow.name).where(JobRow.owner_id == principal.account_id)
+            stmt = stmt.where(SubtaskRow.job.in_(own))
+        if request.query.get("job"):
+            stmt = stmt.where(SubtaskRow.job == request.query["job"])
+        rows = (await s.execute(stmt)).scalars().all()
+    items = [{"apiVersion": "cpn/v1", "kind": "SubTask",
+              "metadata": {"name": t.name, "creationTimestamp": t.created_at.isoformat()},
+              "spec": {"job": t.job, "attempt": t.attempt, "cluster": t.cluster, "site": t.site, "gpus": t.gpus,
+                       "driver": t.driver},
+              "status": {"phase": t.phase, "launches": t.launches, "message": t.message}} for t in rows]
+    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
+
+
+async def refresh_gauges(app: web.Application) -> None:
+    """Set the job and site gauges from the database just before Prometheus scrapes."""
+    gauges = app[GAUGES]
+    settings = app[state.SETTINGS]
+    async with app[state.DB].session() as s:
+        phases = dict((await s.execute(select(JobRow.phase, func.count()).group_by(JobRow.phase))).all())
+        clusters, _ = await inventory(s, timedelta(seconds=settings.heartbeat_timeout_seconds))
+        leased = await leased_gpus(s)
+    gauges["jobs"].clear()
+    for phase, count in phases.items():
+        gauges["jobs"].labels(phase).set(count)
+    gauges["gpus"].clear()
+    for c in clusters:
+        gauges["gpus"].labels(c.site, c.name, "capacity").set(c.capacity_gpus)
+        gauges["gpus"].labels(c.site, c.name, "allocatable").set(c.allocatable_gpus)
+        gauges["gpus"].labels(c.site, c.name, "leased").set(leased.get(c.name, 0))
+        gauges["ready"].labels(c.site, c.name).set(1 if c.ready else 0)
+
+
+GAUGES = web.AppKey("gauges", dict)
+
+
+def _install_gauges(app: web.Application) -> None:
+    registry = app[REGISTRY]
+    app[GAUGES] = {
+        "jobs": Gauge("cpn_jobs", "Training jobs by phase", ["phase"], registry=registry),
+        "gpus": Gauge("cpn_cluster_gpus", "GPUs per cluster", ["site", "cluster", "kind"], registry=registry),
+        "ready": Gauge("cpn_cluster_ready", "1 when the cluster is Ready", ["site", "cluster"], registry=registry),
+    }
+    app[REFRESH] = refresh_gauges
+
+
 def setup(app: web.Application) -> None:
     app.cleanup_ctx.append(_reconciler_ctx)
+    _install_gauges(app)
+    add(app, get_all_subtasks, RouteDoc("GET", "/api/v1/subtasks", "Sub-tasks (providers: on their clusters)",
+                                        "SubTask", query=("job",)))
     add(app, post_metrics, RouteDoc("POST", "/api/v1/jobs/{name}/metrics", "Worker metric reports (worker token)",
                                     "TrainingJob", request=MetricsBatch, params=("name",)))
     add(app, get_metrics, RouteDoc("GET", "/api/v1/jobs/{name}/metrics", "A job's metric reports", "TrainingJob",

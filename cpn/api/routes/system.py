@@ -16,6 +16,8 @@ from cpn.api.openapi import RouteDoc, build
 from cpn.api.routes import add
 from layers.orchestration.identity import audit
 
+REFRESH = web.AppKey("metrics_refresh", object)
+
 
 class WhoAmI(BaseModel):
     name: str
@@ -59,7 +61,6 @@ async def audit_log(request: web.Request) -> web.Response:
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 
-REFRESH = web.AppKey("metrics_refresh", object)
 
 
 def setup(app: web.Application) -> None:

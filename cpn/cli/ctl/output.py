@@ -95,6 +95,12 @@ def describe(obj: dict[str, Any]) -> str:
                     for c in conditions]
             lines.extend("  " + line for line in format_rows(["TYPE", "STATUS", "REASON", "MESSAGE"], rows)
                          .splitlines())
+    if obj.get("subtasks"):
+        lines.append("Sub-tasks:")
+        rows = [[t["metadata"]["name"], str(t["attempt"]), t["site"], t["cluster"], str(t["gpus"]), t["phase"],
+                 str(t["launches"])] for t in obj["subtasks"]]
+        lines.extend("  " + line for line in format_rows(["NAME", "ATTEMPT", "SITE", "CLUSTER", "GPUS", "PHASE",
+                                                          "LAUNCHES"], rows).splitlines())
     for extra in ("events",):
         if obj.get(extra):
             lines.append("Events:")

@@ -64,6 +64,12 @@ def register(registry: KindRegistry, timeouts: workflow.Timeouts) -> None:
         columns=(Column("JOB", "{spec.job}"), Column("TOTAL", "{status.total} {spec.currency}"),
                  Column("LINES", "{status.lineCount}"), Column("CONTRACT", "{spec.contract}", wide=True))))
     registry.register(Kind(
+        kind="SubTask", plural="subtasks", short_names=("subtask", "st-job"), manifest=None, store=None, order=85,
+        verbs=("list",), generic_routes=False,
+        columns=(Column("JOB", "{spec.job}"), Column("ATTEMPT", "{spec.attempt}"), Column("SITE", "{spec.site}"),
+                 Column("CLUSTER", "{spec.cluster}"), Column("GPUS", "{spec.gpus}"), Column("PHASE", "{status.phase}"),
+                 AGE, Column("DRIVER", "{spec.driver}", wide=True))))
+    registry.register(Kind(
         kind="Event", plural="events", short_names=("event", "ev"), manifest=None, store=None, order=90,
         verbs=("list",), generic_routes=False,
         columns=(Column("JOB", "{job}"), Column("TYPE", "{type}"), Column("REASON", "{reason}"),

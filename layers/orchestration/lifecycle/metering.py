@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
-from layers.resource.models import ClusterRow
+from layers.resource.models import ClusterRow, SiteRow
 from layers.service import billing
 from layers.service.jobs import update_status
 from layers.service.models import ContractRow, JobRow
@@ -29,11 +29,10 @@ def _unit_prices(job: JobRow) -> tuple[dict[str, Decimal], dict[str, Decimal]]:
 
 
 async def _sellers(session: AsyncSession, clusters: set[str]) -> dict[str, tuple[str, str]]:
-    rows = (await session.execute(select(ClusterRow).where(ClusterRow.name.in_(clusters)))).scalars()
-    out = {}
-    for row in rows:
-        out[row.name] = (row.spec.get("provider") or "", row.owner_id)
-    return out
+    """Cluster → (provider name, provider account) — the provider is named on the cluster's site."""
+    rows = await session.execute(select(ClusterRow.name, SiteRow.spec, ClusterRow.owner_id)
+                                 .join(SiteRow, SiteRow.id == ClusterRow.site_id).where(ClusterRow.name.in_(clusters)))
+    return {name: ((site_spec or {}).get("provider") or "", owner) for name, site_spec, owner in rows.all()}
 
 
 async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | None, reports: list[dict[str, Any]],

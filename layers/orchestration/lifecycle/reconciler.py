@@ -135,9 +135,11 @@ class Reconciler:
         by_driver: dict[str, list[SubtaskRow]] = {}
         for t in pending:
             by_driver.setdefault(t.driver, []).append(t)
+        specs_of = {c.name: c.spec for c in (await s.execute(
+            select(ClusterRow).where(ClusterRow.name.in_({t.cluster for t in pending})))).scalars()}
         for name, rows in by_driver.items():
             specs = [SubtaskLaunch(subtask=t.name, cluster=t.cluster, site_index=t.site_index, ranks=t.gpus,
-                                   key=t.launch_key) for t in rows]
+                                   key=t.launch_key, cluster_spec=specs_of.get(t.cluster, {})) for t in rows]
             handles = await driver_for(name).launch(launch, specs)
             now = datetime.now(UTC)
             for t in rows:

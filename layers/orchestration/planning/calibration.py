@@ -7,10 +7,15 @@ catalogue's peak TFLOPs by these factors, so only the products need to be right.
 
 Local slots (the `local` driver on a machine with no GPU) appear to the planner as a "GPU" of
 model ``CPU``: one slot is one core running fp32 PyTorch, measured at roughly 0.05 TFLOP/s of
-matmul on the development machines, of which a training step keeps about half busy.
+matmul on the development machines, of which a training step keeps about half busy; slots of one
+machine share memory (80 Gbit/s "NVLink") and machines talk over 10 Gbit/s Ethernet.
 """
 
 from __future__ import annotations
+
+from decimal import Decimal
+
+from layers.orchestration.planning.types import ClusterOffer
 
 CPU_MODEL = "CPU"
 CPU_TFLOPS = 0.05
@@ -34,3 +39,12 @@ def mfu(gpu_model: str) -> float:
 def effective_tflops(gpu_model: str, peak_tflops: float) -> float:
     """TFLOP/s one GPU of this model delivers to a training step."""
     return peak_tflops * mfu(gpu_model)
+
+
+def local_slot_offer(name: str, site: str, slots: int, *, region: str = "local", provider: str = "local",
+                     price_per_slot_hour: Decimal = Decimal("0")) -> ClusterOffer:
+    """The offer of a `local`-driver cluster whose slots are CPU cores: one slot = one CPU "GPU"."""
+    return ClusterOffer(name=name, site=site, region=region, provider=provider, gpu_model=CPU_MODEL,
+                        tflops=CPU_TFLOPS, memory_gb=CPU_MEMORY_GB, free_gpus=slots,
+                        price_per_gpu_hour=price_per_slot_hour, intra_node_gbps=80.0, inter_node_gbps=10.0,
+                        gpus_per_node=max(1, slots))

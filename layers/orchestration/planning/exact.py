@@ -1,8 +1,9 @@
 """The exact placement solver: mixed-integer programs (scipy.optimize.milp, HiGHS) with tangent cuts.
 
 Variables: x_i ∈ {0..free_i} GPUs of candidate cluster i, z_s ∈ {0, 1} site s used. A *case* fixes
-the strategy, the number of sites S and a WAN level b (two chosen sites must be linked at ≥ b, so
-the ring's slowest hop is at least b). Within a case the communication per step is a constant C,
+the strategy, the number of sites S, a WAN level b (two chosen sites must be linked at ≥ b, so the
+ring's slowest hop is at least b) and a node-fabric level (only clusters whose `inter_node_gbps`
+reaches it may be used). Within a case the communication per step is a constant C,
 and with P = Σ x_i·price_i ($/h), F = Σ x_i·tflops_i·MFU_i (TFLOP/s), work = steps · TFLOP/step,
 B = steps·C + start-up and E the egress bill::
 
@@ -34,9 +35,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix, csr_matrix, vstack
 
 from layers.orchestration.planning import perf
-from layers.orchestration.planning.types import Plan
-
 from layers.orchestration.planning.placement import Fabric
+from layers.orchestration.planning.types import Plan
 
 if TYPE_CHECKING:
     from layers.orchestration.planning.placement import Problem
@@ -44,61 +44,75 @@ if TYPE_CHECKING:
 MAX_CUTS = 30
 MIP_GAP = 1e-7
 PRUNE_GAP = 1e-4  # a case is skipped when its bound is within 0.01 % of the best plan
+DELTA_TOLERANCE = 1e-6  # stop when no placement is cheaper by more than this share of a GPU-hour
 GRID = 8  # tangents placed up front, geometrically between the least and the most throughput
 
 
 def solve(problem: Problem, incumbent: Plan | None = None) -> Plan | None:
     """The best plan; cases whose bound cannot beat `incumbent` (if given) are skipped."""
     best = incumbent
-    for bound, strategy, sites, level in sorted(_cases(problem), key=lambda case: case[0]):
+    for bound, strategy, sites, level, fabric in sorted(_cases(problem), key=lambda case: case[0]):
         if best is not None and bound >= best.objective_value * (1 - PRUNE_GAP):
             break
-        found = _Case(problem, strategy, sites, level).solve()
+        found = _Case(problem, strategy, sites, level, fabric).solve(best.objective_value if best else np.inf)
         if found is not None and (best is None or found.objective_value < best.objective_value):
             best = found
     return best
 
 
-def _cases(problem: Problem) -> list[tuple[float, str, int, float]]:
+def _cases(problem: Problem) -> list[tuple[float, str, int, float, float]]:
+    """(bound, strategy, S, WAN level, node-fabric level) for every case worth a look."""
     levels = sorted({link.bandwidth_gbps for link in problem.links}, reverse=True)
-    fastest = fastest_tflops(problem)
     cases = []
-    for sites in problem.site_counts():
-        for level in ([np.inf] if sites == 1 else levels):
-            for strategy in problem.strategies(sites):
-                cases.append((_lower_bound(problem, strategy, sites, level, fastest), strategy, sites, level))
+    for fabric in np.unique(problem.node_gbps)[::-1]:
+        eligible = np.flatnonzero(problem.node_gbps >= fabric)
+        if problem.free[eligible].sum() < problem.gpus_min:
+            continue
+        fastest = fastest_tflops(problem, eligible)
+        for sites in problem.site_counts():
+            for level in ([np.inf] if sites == 1 else levels):
+                for strategy in problem.strategies(sites):
+                    bound = _lower_bound(problem, strategy, sites, level, eligible, fastest)
+                    cases.append((bound, strategy, sites, level, float(fabric)))
     return cases
 
 
-def fastest_tflops(problem: Problem) -> float:
-    """Throughput of the gpus_max fastest candidate GPUs."""
-    order = np.argsort(-problem.eff, kind="stable")
+def fastest_tflops(problem: Problem, members: np.ndarray | None = None) -> float:
+    """Throughput of the gpus_max fastest GPUs among `members` (default: all candidates)."""
+    members = np.arange(len(problem.offers)) if members is None else members
+    order = members[np.argsort(-problem.eff[members], kind="stable")]
     free = problem.free[order]
     taken = np.clip(free - np.maximum(np.cumsum(free) - problem.gpus_max, 0), 0, free)
     return float((taken * problem.eff[order]).sum())
 
 
-def _lower_bound(problem: Problem, strategy: str, sites: int, level: float, fastest: float) -> float:
+def _lower_bound(problem: Problem, strategy: str, sites: int, level: float, eligible: np.ndarray,
+                 fastest: float) -> float:
+    """Compute on the fastest eligible GPUs; communication of gpus_min GPUs spread evenly, at the
+    case's WAN level, without latency and with nothing hidden; overhead billed for gpus_min GPUs."""
     names = [f"s{k}" for k in range(sites)]
-    comm, _ = perf.site_comm(problem.req, strategy, 1e18, dict.fromkeys(names, 1),
-                             dict.fromkeys(names, 1.0), level, 0.0)
+    share = max(problem.gpus_min / sites, 1.0)
+    fabric = Fabric.of(problem, eligible)
+    comm, _ = perf.site_comm(problem.req, strategy, 1e18, dict.fromkeys(names, share),
+                             dict.fromkeys(names, float(fabric.gbps(share))), level, 0.0)
     steps = perf.steps_for(problem.req, strategy)
     overhead = steps * float(comm) + perf.STARTUP_SECONDS
     seconds = steps * problem.flops / fastest + overhead
-    cost = steps * problem.flops * float((problem.price / problem.eff).min()) / 3600
-    cost += problem.gpus_min * float(problem.price.min()) * overhead / 3600
+    cost = steps * problem.flops * float((problem.price[eligible] / problem.eff[eligible]).min()) / 3600
+    cost += problem.gpus_min * float(problem.price[eligible].min()) * overhead / 3600
     return float(problem.score(cost, seconds))
 
 
 class _Case:
     """One (strategy, S, b) case: its constants, its fixed rows, and the cutting-plane loop."""
 
-    def __init__(self, problem: Problem, strategy: str, sites: int, level: float):
+    def __init__(self, problem: Problem, strategy: str, sites: int, level: float, fabric: float):
         self.problem, self.strategy, self.sites, self.level = problem, strategy, sites, level
+        self.eligible = problem.node_gbps >= fabric
         near = [link for link in problem.links if link.bandwidth_gbps >= level]
         self.rtt = float(np.median([link.rtt_ms for link in near])) if near else 0.0
         self.egress_price = float(np.median([float(link.price_per_gb) for link in near])) if near else 0.0
-        self.fabric = Fabric.of(problem.offers)
+        self.fabric = Fabric.of(problem, np.flatnonzero(self.eligible))
         self.steps = perf.steps_for(problem.req, strategy)
         self.work = self.steps * problem.flops
         self.n, self.m = len(problem.offers), len(problem.sites)
@@ -106,19 +120,21 @@ class _Case:
         self.p_scale = float(problem.price.max())
         self.rows, self.lower, self.upper = self._fixed_rows()
 
-    def solve(self) -> Plan | None:
-        """Cutting planes at the case constants of the largest throughput, then once more at the result's."""
+    def solve(self, target: float = np.inf) -> Plan | None:
+        """Best plan of the case scoring below `target`: cutting planes at the constants of the
+        largest throughput, then once more at those of the result if they moved."""
         best: Plan | None = None
-        tflops, gpus = fastest_tflops(self.problem), float(self.problem.gpus_max)
+        tflops, gpus = fastest_tflops(self.problem, np.flatnonzero(self.eligible)), float(self.problem.gpus_max)
         constants = self._constants(tflops, gpus)
         for _ in range(2):
-            x = self._cutting_planes(tflops, gpus)
-            if x is None:
+            points = self._cutting_planes(tflops, gpus, target)
+            for x in points:
+                plan = self.problem.evaluate({i: int(g) for i, g in enumerate(x) if g > 0}, self.strategy, "exact")
+                if plan is not None and (best is None or plan.objective_value < best.objective_value):
+                    best = plan
+            if not points:
                 break
-            plan = self.problem.evaluate({i: int(g) for i, g in enumerate(x) if g > 0}, self.strategy, "exact")
-            if plan is not None and (best is None or plan.objective_value < best.objective_value):
-                best = plan
-            tflops, gpus = float(x @ self.problem.eff), float(x.sum())
+            tflops, gpus = float(points[-1] @ self.problem.eff), float(points[-1].sum())
             updated = self._constants(tflops, gpus)
             if np.allclose(updated, constants, rtol=1e-3, atol=1e-6):
                 break
@@ -135,7 +151,8 @@ class _Case:
         egress = sum(float(v) for v in sent.values()) * self.steps / 1e9 * self.egress_price
         return self.steps * float(comm) + perf.STARTUP_SECONDS, egress
 
-    def _cutting_planes(self, tflops_hat: float, gpus_hat: float) -> np.ndarray | None:
+    def _cutting_planes(self, tflops_hat: float, gpus_hat: float, target: float) -> list[np.ndarray]:
+        """The successively better placements found, the best last (empty if none beats `target`)."""
         p = self.problem
         base, egress = self._constants(tflops_hat, gpus_hat)
         w_cost, w_time = p.objective.cost / p.cost_ref, p.objective.time / p.time_ref
@@ -143,15 +160,15 @@ class _Case:
         c, k = w_time * self.work, w_cost * egress / p.cost_ref + w_time * base / p.time_ref
         budget = None if p.req.budget is None else 3600 * (float(p.req.budget) - egress)
         if budget is not None and budget <= 0:
-            return None
+            return []
         floor = 0.0
         if p.req.deadline_seconds is not None:
             if p.req.deadline_seconds <= base:
-                return None
+                return []
             floor = self.work / (p.req.deadline_seconds - base)
-        theta, best = np.inf, None
+        theta, found = target, []
         low = max(float(np.sort(p.eff)[: p.gpus_min].sum()), floor, 1e-9)
-        cuts = list(np.geomspace(low, max(fastest_tflops(p), low), GRID))
+        cuts = list(np.geomspace(low, max(fastest_tflops(p, np.flatnonzero(self.eligible)), low), GRID))
         budget_cuts: list[float] = []
         for _ in range(MAX_CUTS):
             x = self._milp(cuts, budget_cuts, theta - k, (a, b, c, base), budget, floor)
@@ -163,11 +180,12 @@ class _Case:
                 continue
             value = (a * price + c) / tflops + b * price + k
             if value < theta * (1 - 1e-9):
-                theta, best = value, x
-            elif not np.isfinite(theta):
+                theta = value
+                found.append(x)
+            elif not np.isfinite(theta) or tflops in cuts:
                 break
             cuts.append(tflops)
-        return best
+        return found
 
     def _milp(self, cuts: list[float], budget_cuts: list[float], theta: float,
               coefficients: tuple[float, float, float, float], budget: float | None,
@@ -204,9 +222,9 @@ class _Case:
             objective = np.r_[p.price / self.p_scale - 1e-9 * p.eff, zeros, 0.0]
         result = milp(objective, constraints=LinearConstraint(vstack(rows, format="csr"), lower, upper),
                       integrality=np.r_[np.ones(n + m), 0.0],
-                      bounds=Bounds(np.r_[np.zeros(n + m), -1e6], np.r_[p.free, np.ones(m), 1e6]),
+                      bounds=Bounds(np.r_[np.zeros(n + m), -1e6], np.r_[p.free * self.eligible, np.ones(m), 1e6]),
                       options={"mip_rel_gap": MIP_GAP})
-        if result.x is None or (np.isfinite(theta) and result.x[-1] <= 1e-9):
+        if result.x is None or (np.isfinite(theta) and result.x[-1] <= DELTA_TOLERANCE * self.p_scale):
             return None
         return np.round(result.x[:n]).astype(np.int64)
 

@@ -6,8 +6,10 @@
    each of the best few seeds, grow a set one site at a time, adding the best-ranked site linked at
    ≥ b to every site already in (the same rule the exact solver enforces), up to the site limit.
 3. For each set and strategy, line the set's GPUs up one by one, cheapest per effective TFLOP first
-   (and, for when `gpus_max` binds, fastest first), and score every prefix with the model's
-   surrogate (:meth:`Problem.surrogate`) in one numpy pass, honouring GPU bounds, deadline and budget.
+   among the clusters whose node fabric reaches each level present (a slow fabric slows the whole
+   site's all-reduce), and fastest first when `gpus_max` binds; each site's first GPU goes first, so
+   every prefix uses every site. Score every prefix with the case model (:meth:`Problem.surrogate`)
+   in one numpy pass, honouring GPU bounds, deadline and budget.
 4. Score the best few prefixes with the real model (:func:`perf.predict` on the real ring) and keep
    the best that satisfies every constraint.
 
@@ -34,12 +36,14 @@ FINALISTS = 4
 
 def solve(problem: Problem) -> Plan | None:
     rank = _site_scores(problem)
-    order = [int(k) for k in np.argsort(rank, kind="stable") if np.isfinite(rank[k])]
+    order = [int(k) for k in np.argsort(rank, kind="stable")]
     shortlist: list[tuple[float, str, list[int], dict[int, int]]] = []
+    by_site = np.argsort(problem.site_of, kind="stable")
+    bounds = np.searchsorted(problem.site_of[by_site], np.arange(len(problem.sites) + 1))
     for sites in _site_sets(problem, order):
-        names = [problem.sites[k] for k in sites]
+        members = np.concatenate([by_site[bounds[k]:bounds[k + 1]] for k in sites])
         for strategy in problem.strategies(len(sites)):
-            shortlist.extend(_best_prefixes(problem, strategy, sites, names))
+            shortlist.extend(_best_prefixes(problem, strategy, members, sites))
     shortlist.sort(key=lambda item: item[0])
     best: Plan | None = None
     tried: set[tuple[str, tuple[tuple[int, int], ...]]] = set()
@@ -57,16 +61,14 @@ def solve(problem: Problem) -> Plan | None:
 
 
 def _site_scores(problem: Problem) -> np.ndarray:
-    """Each site's best compute-only objective on its own clusters (inf if it cannot reach gpus_min)."""
+    """Each site's best compute-only objective on its own clusters, whether or not they reach gpus_min."""
     order = np.lexsort((problem.price / problem.eff, problem.site_of))
     site, free = problem.site_of[order], problem.free[order]
     taken = np.clip(free - np.maximum(_group_cumsum(free, site) - problem.gpus_max, 0), 0, free)
-    gpus = _group_cumsum(taken, site)
     tflops = np.maximum(_group_cumsum(taken * problem.eff[order], site), 1e-12)
     price = _group_cumsum(taken * problem.price[order], site)
     seconds = perf.steps_for(problem.req, "ddp") * problem.flops / tflops + perf.STARTUP_SECONDS
     score = problem.score(price * seconds / 3600, seconds)
-    score = np.where(gpus >= problem.gpus_min, score, np.inf)
     out = np.full(len(problem.sites), np.inf)
     np.minimum.at(out, site, score)
     return out
@@ -85,7 +87,8 @@ def _site_sets(problem: Problem, order: list[int]) -> list[list[int]]:
         return []
     sets: dict[frozenset[int], list[int]] = {}
     if problem.sites_min <= 1:
-        for k in order[:2 * SEEDS]:
+        capacity = np.bincount(problem.site_of, weights=problem.free, minlength=len(problem.sites))
+        for k in [k for k in order if capacity[k] >= problem.gpus_min][:2 * SEEDS]:
             sets.setdefault(frozenset([k]), [k])
     top = max(problem.site_counts(), default=1)
     if top < 2:
@@ -93,8 +96,9 @@ def _site_sets(problem: Problem, order: list[int]) -> list[list[int]]:
     position = {k: p for p, k in enumerate(order)}
     levels = sorted({link.bandwidth_gbps for link in problem.links}, reverse=True)
     neighbours = _neighbours(problem)
+    widest = np.array([max(neighbours[k].values(), default=0.0) for k in order])
     for level in levels:
-        seeds = [k for k in order if any(bw >= level for bw in neighbours[k].values())][:SEEDS]
+        seeds = [order[p] for p in np.flatnonzero(widest >= level)[:SEEDS]]
         for seed in seeds:
             chosen, common = [seed], {n for n, bw in neighbours[seed].items() if bw >= level}
             while len(chosen) < top and common:
@@ -116,29 +120,48 @@ def _neighbours(problem: Problem) -> dict[int, dict[int, float]]:
     return out
 
 
-def _best_prefixes(problem: Problem, strategy: str, sites: list[int], names: list[str],
+def _best_prefixes(problem: Problem, strategy: str, members: np.ndarray, sites: list[int],
                    ) -> list[tuple[float, str, list[int], dict[int, int]]]:
+    """The best prefix of each line-up of the `members` clusters' GPUs, as (score, strategy, sites, counts)."""
     from layers.orchestration.planning.placement import Fabric
 
-    members = np.flatnonzero(np.isin(problem.site_of, sites))
     if problem.free[members].sum() < problem.gpus_min:
         return []
-    fabric = Fabric.of([problem.offers[i] for i in members])
+    names = [problem.sites[k] for k in sites]
+    lineups = []
+    for level in np.unique(problem.node_gbps[members])[::-1]:
+        chosen = members[problem.node_gbps[members] >= level]
+        lineups.append(chosen[np.argsort(problem.price[chosen] / problem.eff[chosen], kind="stable")])
+    if problem.free[members].sum() > problem.gpus_max:  # the cap binds: the fastest GPUs may win
+        lineups.append(members[np.argsort(-problem.eff[members], kind="stable")])
     out = []
-    for key in (problem.price[members] / problem.eff[members], -problem.eff[members]):
-        ranked = members[np.argsort(key, kind="stable")]
-        units = np.repeat(ranked, problem.free[ranked])[: problem.gpus_max]
+    for ranked in lineups:
+        units = _one_per_site_first(problem, ranked, len(sites))
+        units = units[: problem.gpus_max]
+        if len(units) < max(problem.gpus_min, len(sites)):
+            continue
         gpus = np.arange(1, len(units) + 1)
-        tflops = np.cumsum(problem.eff[units])
-        price = np.cumsum(problem.price[units])
-        value, seconds, cost = problem.surrogate(strategy, names, gpus, price, tflops, fabric)
-        value = np.where(_allowed(problem, gpus, seconds, cost), value, np.inf)
+        value, seconds, cost = problem.surrogate(strategy, names, gpus, np.cumsum(problem.price[units]),
+                                                 np.cumsum(problem.eff[units]), Fabric.of(problem, ranked))
+        value = np.where(_allowed(problem, gpus, seconds, cost) & (gpus >= len(sites)), value, np.inf)
         best = int(np.argmin(value))
         if np.isfinite(value[best]):
-            taken = units[: best + 1]
-            ids, counts = np.unique(taken, return_counts=True)
-            out.append((float(value[best]), strategy, sites, dict(zip(ids.tolist(), counts.tolist(), strict=True))))
+            counts = np.bincount(units[: best + 1], minlength=len(problem.offers))
+            taken = {int(i): int(counts[i]) for i in np.flatnonzero(counts)}
+            out.append((float(value[best]), strategy, sites, taken))
     return out
+
+
+def _one_per_site_first(problem: Problem, ranked: np.ndarray, sites: int) -> np.ndarray:
+    """The line-up's GPUs one by one, each site's first GPU moved to the front so that every prefix
+    of `sites` or more GPUs uses every site (empty if a site has no cluster in the line-up)."""
+    _, first = np.unique(problem.site_of[ranked], return_index=True)
+    if len(first) < sites:
+        return ranked[:0]
+    first = np.sort(first)
+    free = problem.free[ranked].copy()
+    free[first] -= 1
+    return np.concatenate([ranked[first], np.repeat(ranked, free)])
 
 
 def _allowed(problem: Problem, gpus: np.ndarray, seconds: np.ndarray, cost: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ feasible, :func:`plan` raises :class:`Infeasible` naming the binding constraint.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
@@ -62,10 +62,10 @@ class Fabric:
     gpus_per_node: int
 
     @classmethod
-    def of(cls, offers: list[ClusterOffer]) -> Fabric:
-        return cls(float(np.median([o.intra_node_gbps for o in offers])),
-                   float(np.median([o.inter_node_gbps for o in offers])),
-                   int(np.median([o.gpus_per_node for o in offers])))
+    def of(cls, problem: Problem, members: np.ndarray) -> Fabric:
+        """The slowest links among candidate clusters `members` (indices)."""
+        return cls(float(problem.nvlink[members].min()), float(problem.node_gbps[members].min()),
+                   int(problem.per_node[members].max()))
 
     def gbps(self, gpus_per_site: Any) -> Any:
         return np.where(np.asarray(gpus_per_site) <= self.gpus_per_node, self.nvlink_gbps, self.node_gbps)
@@ -85,6 +85,9 @@ class Problem:
     site_of: np.ndarray  # index into `sites`
     sites: list[str]
     index: dict[Key, WanLink]
+    nvlink: np.ndarray  # intra_node_gbps
+    node_gbps: np.ndarray  # inter_node_gbps
+    per_node: np.ndarray  # gpus_per_node
     flops: float  # TFLOP per step
     gpus_min: int
     gpus_max: int
@@ -93,10 +96,10 @@ class Problem:
     time_ref: float = 1.0
     cost_ref: float = 1.0
     _rings: dict[frozenset[str], list[str]] = field(default_factory=dict)
+    _bottlenecks: dict[tuple[str, ...], tuple[float, float]] = field(default_factory=dict)
 
-    @property
-    def by_name(self) -> dict[str, ClusterOffer]:
-        return {o.name: o for o in self.offers}
+    def links_among(self, sites: list[str]) -> list[WanLink]:
+        return [self.index[(a, b)] for k, a in enumerate(sites) for b in sites[k + 1:] if (a, b) in self.index]
 
     def strategies(self, sites: int) -> tuple[str, ...]:
         if self.req.strategy != "auto":
@@ -114,7 +117,8 @@ class Problem:
     def ring(self, sites: list[str]) -> list[str]:
         key = frozenset(sites)
         if key not in self._rings:
-            self._rings[key] = best_ring(sorted(sites), self.links) if len(sites) > 1 else list(sites)
+            ordered = sorted(sites)
+            self._rings[key] = best_ring(ordered, self.links_among(ordered)) if len(sites) > 1 else ordered
         return self._rings[key]
 
     def score(self, cost: Any, seconds: Any) -> Any:
@@ -128,7 +132,7 @@ class Problem:
         term, which :func:`perf.predict` then settles.
         """
         ring = self.ring(sites)
-        wan, rtt = bottleneck(ring, self.index)
+        wan, rtt = self._bottlenecks.setdefault(tuple(ring), bottleneck(ring, self.index))
         compute = self.flops / np.maximum(tflops, 1e-12)
         share = np.maximum(gpus / len(sites), 1.0)
         comm, sent = perf.site_comm(self.req, strategy, compute, dict.fromkeys(sites, share),
@@ -155,7 +159,8 @@ class Problem:
         ring = self.ring(sites)
         assignments = [Assignment(self.offers[i].name, self.offers[i].site, g, self.offers[i].gpu_model)
                        for i, g in sorted(used.items(), key=lambda item: self.offers[item[0]].name)]
-        prediction = perf.predict(self.req, assignments, strategy, self.by_name, self.links, ring)
+        offers = {self.offers[i].name: self.offers[i] for i in used}
+        prediction = perf.predict(self.req, assignments, strategy, offers, self.links_among(sites), ring)
         if self.req.deadline_seconds is not None and prediction.total_seconds > self.req.deadline_seconds:
             return None
         if self.req.budget is not None and prediction.est_cost > float(self.req.budget):
@@ -204,14 +209,17 @@ def build_problem(req: JobRequirements, offers: list[ClusterOffer], links: list[
     site_pos = {s: k for k, s in enumerate(sites)}
     wanted = set(sites)
     near = [link for link in links if link.a in wanted and link.b in wanted and link.a != link.b]
-    eff = np.array([calibration.effective_tflops(o.gpu_model, o.tflops) for o in candidates], dtype=float)
+    eff = np.array([o.tflops for o in candidates], dtype=float) * np.array(
+        [calibration.mfu(o.gpu_model) for o in candidates])
     free = np.array([o.free_gpus for o in candidates], dtype=np.int64)
     gpus_max = int(min(req.gpus_max if req.gpus_max is not None else free.sum(), free.sum()))
     problem = Problem(
         req=req, objective=objective, offers=candidates, links=near, eff=eff,
         price=np.array([float(o.price_per_gpu_hour) for o in candidates], dtype=float), free=free,
         site_of=np.array([site_pos[o.site] for o in candidates], dtype=np.int64), sites=sites,
-        index=link_index(near), flops=perf.flops_per_step(req) / 1e12, gpus_min=max(1, req.gpus_min),
+        index=link_index(near), nvlink=np.array([o.intra_node_gbps for o in candidates], dtype=float),
+        node_gbps=np.array([o.inter_node_gbps for o in candidates], dtype=float),
+        per_node=np.array([o.gpus_per_node for o in candidates], dtype=np.int64), flops=perf.flops_per_step(req) / 1e12, gpus_min=max(1, req.gpus_min),
         gpus_max=gpus_max, sites_min=max(1, req.sites_min),
         sites_max=req.sites_max if req.sites_max is not None else max(MAX_SITES, req.sites_min),
     )
@@ -271,10 +279,14 @@ def _candidates(req: JobRequirements, offers: list[ClusterOffer]) -> list[Cluste
 
 
 def _set_references(problem: Problem) -> None:
-    """time_ref: compute only, on the gpus_max fastest GPUs; cost_ref: compute only at the best price/TFLOP."""
-    order = np.argsort(-problem.eff, kind="stable")
-    taken = np.minimum(problem.free[order], np.maximum(problem.gpus_max - np.cumsum(problem.free[order])
-                                                       + problem.free[order], 0))
+    """time_ref: compute only, on the fastest GPUs of the `sites_max` strongest sites (≤ gpus_max);
+    cost_ref: compute only, at the best price per effective TFLOP. Both are lower bounds."""
+    per_site = np.bincount(problem.site_of, weights=problem.free * problem.eff, minlength=len(problem.sites))
+    strong = np.argsort(-per_site, kind="stable")[: problem.sites_max]
+    allowed = np.isin(problem.site_of, strong)
+    order = np.argsort(-np.where(allowed, problem.eff, 0.0), kind="stable")
+    free = np.where(allowed, problem.free, 0)[order]
+    taken = np.clip(free - np.maximum(np.cumsum(free) - problem.gpus_max, 0), 0, free)
     fastest = float((taken * problem.eff[order]).sum())
     steps = min(perf.steps_for(problem.req, s) for s in STRATEGIES)
     problem.time_ref = steps * problem.flops / fastest + perf.STARTUP_SECONDS
@@ -305,17 +317,8 @@ def diagnose(problem: Problem, solver: str) -> Infeasible:
 
 
 def _relax(problem: Problem, deadline: float | None, budget: Decimal | None) -> Problem:
-    from dataclasses import replace
-
     return replace(problem, req=replace(problem.req, deadline_seconds=deadline, budget=budget))
 
 
 def _with_objective(problem: Problem, objective: Objective) -> Problem:
-    from dataclasses import replace
-
     return replace(problem, objective=objective)
-
-
-def assignments_of(problem: Problem, counts: dict[int, int]) -> list[Assignment]:
-    return [Assignment(problem.offers[i].name, problem.offers[i].site, g, problem.offers[i].gpu_model)
-            for i, g in counts.items() if g > 0]

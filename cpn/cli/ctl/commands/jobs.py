@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from cpn.cli.ctl import output
-from cpn.cli.ctl.commands.resources import OUTPUT, emit
+from cpn.cli.ctl.commands.resources import OUTPUT
 from cpn.cli.ctl.context import Ctx, pass_ctx
 from cpn.cli.ctl.main import cli
 
@@ -28,4 +28,73 @@ def accept(obj: Ctx, job: str, quote: str, fmt: str) -> None:
                f"quoted {price.get('total')} {price.get('currency')}")
 
 
-__all__ = ["accept", "emit"]
+TERMINAL = ("Succeeded", "Failed", "Cancelled")
+
+
+@cli.command()
+@click.argument("job")
+@pass_ctx
+def cancel(obj: Ctx, job: str) -> None:
+    """Cancel JOB: stops its workers and releases its GPUs."""
+    result = obj.client.post(f"/api/v1/jobs/{job}/cancel")
+    click.echo(f"trainingjob/{job} {result['status']['phase'].lower()}")
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--site", default=None, help="Only this site's (or cluster's) workers.")
+@click.option("-f", "--follow", is_flag=True, help="Stream new lines until the job ends.")
+@pass_ctx
+def logs(obj: Ctx, job: str, site: str | None, follow: bool) -> None:
+    """Print the workers' logs of JOB."""
+    params = {"site": site, "follow": "1" if follow else None}
+    for line in obj.client.stream_lines(f"/api/v1/jobs/{job}/logs",
+                                        params={k: v for k, v in params.items() if v is not None}):
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--timeout", type=float, default=0, help="Give up after this many seconds (0: never).")
+@click.option("--interval", type=float, default=1.0, show_default=True)
+@pass_ctx
+def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
+    """Wait for JOB to finish, with a live progress bar; exit 1 unless it Succeeded."""
+    import time
+
+    start = time.monotonic()
+    with click.progressbar(length=1000, label=job, show_percent=True, show_eta=False,
+                           item_show_func=lambda s: s) as bar:
+        done = 0
+        while True:
+            st = obj.client.get(f"/api/v1/jobs/{job}")["status"]
+            prog = st.get("progress") or {}
+            target = int(10 * float(prog.get("percent") or 0))
+            bar.update(max(0, target - done), f"{st['phase']} loss {prog.get('loss') or '-'} "
+                                              f"cost {(st.get('cost') or {}).get('total', '0.00')}")
+            done = max(done, target)
+            if st["phase"] in TERMINAL:
+                break
+            if timeout and time.monotonic() - start > timeout:
+                raise click.ClickException(f"{job} still {st['phase']} after {timeout:.0f}s")
+            time.sleep(interval)
+    click.echo(f"trainingjob/{job} {st['phase']}: {st.get('message', '')}")
+    if st["phase"] != "Succeeded":
+        raise click.ClickException(f"{job} ended {st['phase']}")
+
+
+@cli.command()
+@click.argument("what", type=click.Choice(["sites"]))
+@OUTPUT
+@pass_ctx
+def top(obj: Ctx, what: str, fmt: str) -> None:
+    """Live usage per site: GPUs capacity / allocatable / leased, running sub-tasks."""
+    data = obj.client.get("/api/v1/top/sites")
+    if fmt in ("json", "yaml"):
+        click.echo(output.dump(data, fmt))
+        return
+    rows = [[i["metadata"]["name"], i["region"], i["provider"], f"{i['ready']}/{i['clusters']}",
+             str(i["capacity"]), str(i["allocatable"]), str(i["leased"]), i["utilization"], str(i["running"])]
+            for i in data["items"]]
+    click.echo(output.format_rows(["SITE", "REGION", "PROVIDER", "READY", "CAPACITY", "ALLOCATABLE", "LEASED",
+                                   "UTIL", "RUNNING"], rows))

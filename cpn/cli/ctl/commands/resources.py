@@ -13,7 +13,6 @@ import yaml
 from cpn.cli.ctl import output
 from cpn.cli.ctl.context import Ctx, pass_ctx
 from cpn.cli.ctl.main import cli
-from cpn.client import ApiError
 
 OUTPUT = click.option("-o", "--output", "fmt", type=click.Choice(["table", "wide", "json", "yaml"]),
                       default="table", show_default=True, help="Output format.")
@@ -70,11 +69,9 @@ def describe(obj: Ctx, kind: str, name: str) -> None:
     """Show one object in detail, with its conditions and events."""
     k = obj.kind(kind)
     manifest = obj.client.get(f"{k['path']}/{name}")
-    if k["kind"] in ("TrainingJob",):
-        try:
-            manifest["events"] = obj.client.get("/api/v1/events", job=name)["items"]
-        except ApiError:
-            pass
+    if k["kind"] == "TrainingJob":
+        manifest["events"] = obj.client.get("/api/v1/events", job=name)["items"]
+        manifest["subtasks"] = obj.client.get(f"/api/v1/jobs/{name}/subtasks")["items"]
     click.echo(output.describe(manifest))
 
 

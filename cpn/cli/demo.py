@@ -1,0 +1,238 @@
+"""`cpn demo`: the whole system on one machine in a few minutes.
+
+Starts an embedded API server on SQLite, registers three local sites of two providers with
+different prices and WAN links, keeps their agents heartbeating, submits a TrainingJob with
+strategy `auto`, shows the quotes, accepts `balanced`, runs it with a live progress bar and prints
+the summary: validation loss start → end, wall time, WAN traffic and cost per provider.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cpn.cli.ctl import output
+from cpn.client import ApiError, Client
+
+PROVIDERS = {"alpha-cloud": ["fra-1", "ams-1"], "beta-dc": ["nyc-1"]}
+SITES = [  # name, region, lat, lon, price per slot-hour
+    ("fra-1", "eu-central", 50.11, 8.68, "0.90"),
+    ("ams-1", "eu-west", 52.37, 4.90, "0.60"),
+    ("nyc-1", "us-east", 40.71, -74.01, "0.45"),
+]
+LINKS = [("fra-1", "ams-1", 0.2, 8.0, "0.02"), ("ams-1", "nyc-1", 0.1, 75.0, "0.05"),
+         ("fra-1", "nyc-1", 0.1, 85.0, "0.05")]
+CPU_TFLOPS = 0.05
+
+
+def world(provider: str) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    mine = PROVIDERS[provider]
+    for name, region, lat, lon, price in SITES:
+        if name not in mine:
+            continue
+        docs.append({"apiVersion": "cpn/v1", "kind": "Site", "metadata": {"name": name},
+                     "spec": {"region": region, "location": {"lat": lat, "lon": lon}}})
+        docs.append({"apiVersion": "cpn/v1", "kind": "Cluster", "metadata": {"name": f"{name}-cpu"},
+                     "spec": {"site": name, "driver": "local", "nodePools": [{
+                         "name": "slots", "gpu": {"model": "CPU", "memoryGB": 4, "tflops": CPU_TFLOPS},
+                         "gpusPerNode": 1, "nodes": 1, "pricePerGpuHour": price}],
+                         "interconnect": {"intraNodeGbps": 50, "interNodeGbps": 10}}})
+    for a, b, gbps, rtt, price in LINKS:
+        if a in mine and (b in mine or provider == "alpha-cloud"):
+            docs.append({"apiVersion": "cpn/v1", "kind": "Link", "metadata": {"name": f"{a}--{b}"},
+                         "spec": {"a": a, "b": b, "bandwidthGbps": gbps, "rttMs": rtt, "pricePerGB": price}})
+    return docs
+
+
+def job_manifest(tokens: int, model: str) -> dict[str, Any]:
+    return {"apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": {"name": "demo-lm"},
+            "spec": {"model": model, "dataset": "pystdlib", "tokens": tokens, "globalBatchTokens": 3 * 128 * 8,
+                     "strategy": "auto", "innerSteps": 20, "compression": "int8", "gpus": {"min": 3, "max": 3},
+                     "sites": {"min": 3, "max": 3}, "objective": {"cost": 0.5, "time": 0.5}}}
+
+
+class Heartbeats(threading.Thread):
+    """The three site agents: every few seconds each cluster reports one free slot."""
+
+    def __init__(self, server: str, tokens: dict[str, str]):
+        super().__init__(daemon=True)
+        self.server, self.tokens, self.stopped = server, tokens, threading.Event()
+
+    def beat(self) -> None:
+        for provider, sites in PROVIDERS.items():
+            with Client(self.server, self.tokens[provider]) as client:
+                for site in sites:
+                    client.post(f"/api/v1/clusters/{site}-cpu/heartbeat",
+                                json={"allocatableGpus": 1, "capacityGpus": 1,
+                                      "conditions": [{"type": "Ready", "status": "True", "reason": "AgentOK"}]})
+
+    def run(self) -> None:
+        while not self.stopped.wait(5.0):
+            try:
+                self.beat()
+            except ApiError:
+                pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _token(env: dict[str, str], name: str, role: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "cpn.cli.server", "token", "create", name, "--role", role],
+                          env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise click.ClickException(f"could not create a token: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def _start_server(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "cpn.cli.server", "serve", "--port", str(port)], env=env,
+                                stdout=fh, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    with Client(url) as client:
+        for _ in range(300):
+            if proc.poll() is not None:
+                raise click.ClickException(f"the server did not start; see {log}")
+            try:
+                client.get("/healthz")
+                return proc
+            except ApiError:
+                time.sleep(0.1)
+    raise click.ClickException(f"the server did not become healthy; see {log}")
+
+
+def _bar(percent: float, width: int = 30) -> str:
+    filled = int(width * percent / 100)
+    return "█" * filled + "·" * (width - filled)
+
+
+def _wait(client: Client, name: str, started: float) -> dict[str, Any]:
+    tty = sys.stdout.isatty()
+    last = ""
+    while True:
+        job = client.get(f"/api/v1/jobs/{name}")
+        st = job["status"]
+        prog = st.get("progress") or {}
+        pct = float(prog.get("percent") or 0)
+        line = (f"{st['phase']:<10} {_bar(pct)} {pct:5.1f}%  loss {prog.get('loss') or '-':<7} "
+                f"sites {st.get('sites', '-')}  cost {((st.get('cost') or {}).get('total') or '0.00')} USD  "
+                f"{time.time() - started:5.0f}s")
+        marker = f"{st['phase']} {int(pct // 10)}"
+        if tty:
+            click.echo("\r" + line, nl=False)
+        elif marker != last:
+            click.echo(line)
+        last = marker
+        if st["phase"] in ("Succeeded", "Failed", "Cancelled"):
+            if tty:
+                click.echo()
+            return job
+        time.sleep(1.0)
+
+
+def _summary(client: Client, job: dict[str, Any], wall: float) -> None:
+    metrics = client.get(f"/api/v1/jobs/{job['metadata']['name']}/metrics")["items"]
+    vals = [m["valLoss"] for m in metrics if m["valLoss"] is not None]
+    wan = 0.0
+    final_by_rank: dict[int, float] = {}
+    for m in metrics:
+        final_by_rank[m["rank"]] = max(final_by_rank.get(m["rank"], 0.0), m.get("wanBytes") or 0.0)
+    wan = sum(final_by_rank.values())
+    invoices = client.get("/api/v1/invoices", job=job["metadata"]["name"])["items"]
+    per_provider: dict[str, Decimal] = {}
+    for inv in invoices:
+        for line in inv["status"]["lines"]:
+            per_provider[line["provider"]] = per_provider.get(line["provider"], Decimal(0)) + Decimal(line["amount"])
+    click.echo("")
+    click.echo(f"job {job['metadata']['name']}: {job['status']['phase']} — {job['status'].get('message', '')}")
+    if vals:
+        click.echo(f"  validation loss   {vals[0]:.3f} → {vals[-1]:.3f}  ({len(vals)} evaluations)")
+    click.echo(f"  wall time         {wall:.0f} s (predicted {job['status'].get('predictedSeconds', 0):.0f} s)")
+    sites = sorted({p["site"] for p in job["status"].get("placement", [])})
+    click.echo(f"  strategy          {job['status'].get('strategy')} over {len(sites)} sites ({', '.join(sites)})")
+    click.echo(f"  WAN traffic       {wan / 1e9:.4f} GB")
+    for provider, amount in sorted(per_provider.items()):
+        click.echo(f"  cost {provider:<12} {amount:.2f} USD")
+    click.echo(f"  cost total        {sum(per_provider.values(), Decimal(0)):.2f} USD")
+
+
+@click.command("demo")
+@click.option("--tokens", type=int, default=900_000, show_default=True, help="Token budget of the demo job.")
+@click.option("--model", default="tiny", show_default=True, help="Runtime model preset.")
+@click.option("--wan/--no-wan", default=None, help="Emulate WAN links with netns + tbf (default: when root).")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep the demo's database and runs here (default: a temporary directory).")
+@click.option("--keep", is_flag=True, help="Leave the server running at the end.")
+def demo_cmd(tokens: int, model: str, wan: bool | None, data_dir: Path | None, keep: bool) -> None:
+    """Run the end-to-end demo: three sites, quotes, a training job across them, the bill."""
+    wan = (os.geteuid() == 0 and shutil.which("tc") is not None) if wan is None else wan
+    data_dir = data_dir or Path(tempfile.mkdtemp(prefix="cpn-demo-"))
+    port = _free_port()
+    env = {**os.environ, "CPN_DATA_DIR": str(data_dir), "CPN_PORT": str(port), "CPN_DATABASE_URL":
+           f"sqlite+aiosqlite:///{data_dir / 'cpn.db'}", "CPN_WAN_EMULATION": "1" if wan else "0",
+           "CPN_HEARTBEAT_TIMEOUT_SECONDS": "30", "CPN_RECONCILE_INTERVAL_SECONDS": "1"}
+    server = f"http://127.0.0.1:{port}"
+    click.echo(f"● starting CPN on {server} (SQLite in {data_dir}; WAN emulation {'on' if wan else 'off'})")
+    proc = _start_server(env, port, data_dir / "server.log")
+    beats: Heartbeats | None = None
+    try:
+        tokens_by = {p: _token(env, p, "provider") for p in PROVIDERS}
+        user = _token(env, "demo-user", "user")
+        for provider in sorted(PROVIDERS, key=lambda p: p == "alpha-cloud"):  # alpha links to beta's site
+            with Client(server, tokens_by[provider]) as client:
+                result = client.post("/api/v1/apply", json={"items": world(provider)})
+                click.echo(f"● {provider} registered " + ", ".join(f"{i['kind'].lower()}/{i['name']}"
+                                                                   for i in result["items"]))
+        beats = Heartbeats(server, tokens_by)
+        beats.beat()
+        beats.start()
+        with Client(server, user) as client:
+            _run_job(client, tokens, model)
+    finally:
+        if beats is not None:
+            beats.stopped.set()
+        if keep:
+            click.echo(f"● server left running on {server} (pid {proc.pid}); data in {data_dir}")
+        else:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _run_job(client: Client, tokens: int, model: str) -> None:
+    job = client.post("/api/v1/jobs", json=job_manifest(tokens, model))
+    name = job["metadata"]["name"]
+    click.echo(f"● submitted trainingjob/{name}: {job['status']['phase']}")
+    quotes = client.get(f"/api/v1/jobs/{name}/quotes")
+    kinds = {k["kind"]: k for k in client.get("/api/v1/kinds")["items"]}
+    click.echo(output.table(quotes["items"], kinds["Quote"]["columns"]))
+    started = time.time()
+    accepted = client.post(f"/api/v1/jobs/{name}/accept", json={"quote": "balanced"})
+    click.echo(f"● accepted the balanced quote: {accepted['status']['phase']}, "
+               f"{accepted['status'].get('strategy')} over " + ", ".join(
+                   f"{lease['gpus']}×{lease['cluster']}" for lease in accepted["status"].get("leases", [])))
+    final = _wait(client, name, started)
+    _summary(client, final, time.time() - started)
+    if final["status"]["phase"] != "Succeeded":
+        raise click.ClickException(f"the demo job ended {final['status']['phase']}: {final['status'].get('message')}")
+
+

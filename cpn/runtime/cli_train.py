@@ -1,0 +1,151 @@
+"""``cpn train`` and ``cpn bench training``: click commands over :func:`run_local` and the benchmark.
+
+The lead mounts :data:`train_cmd` as ``cpn train`` and :data:`bench_training_cmd` as
+``cpn bench training``. Flags map one-to-one onto :class:`TrainConfig` fields (see :data:`FLAGS`);
+``--resume DIR`` takes the run's saved config and topology from DIR and lets explicit flags override.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from click.core import ParameterSource
+from pydantic import ValidationError
+
+from cpn.runtime.config import TrainConfig
+from cpn.runtime.topology import Topology
+
+# flag name -> (config path, click option kwargs)
+FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "strategy": ("strategy.name", {"default": "ddp", "help": "ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps"}),
+    "model": ("model", {"default": "small", "help": "model preset: tiny, small, medium, base, large"}),
+    "tokens": ("tokens", {"type": int, "default": 2_000_000, "help": "token budget over all workers"}),
+    "global_batch": ("global_batch_tokens", {"type": int, "default": 16_384, "help": "tokens per global step"}),
+    "seq_len": ("seq_len", {"type": int, "default": 128}),
+    "lr": ("lr", {"type": float, "default": 3e-3}),
+    "inner_steps": ("strategy.inner_steps", {"type": int, "default": 100, "help": "H (diloco, local_sgd, gossip, ssp)"}),
+    "outer_lr": ("strategy.outer_lr", {"type": float, "default": 0.7}),
+    "outer_momentum": ("strategy.outer_momentum", {"type": float, "default": 0.9}),
+    "nesterov/--no-nesterov": ("strategy.nesterov", {"default": True}),
+    "compression": ("strategy.compression", {"type": click.Choice(["none", "fp16", "bf16", "int8"]), "default": "none"}),
+    "overlap": ("strategy.overlap", {"is_flag": True, "help": "diloco: outer all-reduce in the background, applied one step late"}),
+    "staleness": ("strategy.staleness", {"type": int, "default": 4, "help": "ssp: max steps ahead of the slowest site"}),
+    "ps": ("strategy.ps", {"type": int, "default": 1, "help": "async_ps: parameter-server shards"}),
+    "gossip_neighbours": ("strategy.gossip_neighbours", {"type": int, "default": 1}),
+    "wan_timeout": ("strategy.wan_timeout_seconds", {"type": float, "default": 60.0, "help": "seconds before a silent site is dropped"}),
+    "val_every": ("val_every", {"type": int, "default": 50}),
+    "seed": ("seed", {"type": int, "default": 0}),
+    "slow_site": ("faults.slow_site", {"type": int, "default": None}),
+    "slowdown": ("faults.slowdown", {"type": float, "default": 1.0}),
+    "kill_site": ("faults.kill_site", {"type": int, "default": None}),
+    "at_step": ("faults.kill_at_step", {"type": int, "default": None}),
+    "checkpoint_every": ("checkpoint_every", {"type": int, "default": 0}),
+    "checkpoint_dir": ("checkpoint_dir", {"default": None}),
+}
+
+
+def _param_name(flag: str) -> str:
+    return flag.split("/")[0]
+
+
+def config_options(fn: Any) -> Any:
+    for flag, (_, kwargs) in reversed(FLAGS.items()):
+        fn = click.option(f"--{flag.replace('_', '-')}", _param_name(flag), **kwargs)(fn)
+    return fn
+
+
+def build_config(values: dict[str, Any], base: dict[str, Any] | None = None,
+                 explicit: set[str] | None = None) -> TrainConfig:
+    """Flags -> nested config dict -> validated :class:`TrainConfig` (errors name the flag)."""
+    data: dict[str, Any] = json.loads(json.dumps(base or {}))
+    for flag, (path, _) in FLAGS.items():
+        name = _param_name(flag)
+        if base is not None and explicit is not None and name not in explicit:
+            continue
+        node = data
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = values[name]
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise click.UsageError(_explain(exc)) from exc
+
+
+def _explain(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+
+
+@click.command("train")
+@config_options
+@click.option("--sites", type=int, default=2, help="S sites")
+@click.option("--workers-per-site", type=int, default=2, help="W workers per site")
+@click.option("--wan-mbps", type=float, default=None, help="emulate this WAN rate per site (needs root)")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None, help="metrics and summary go here")
+@click.option("--resume", "resume", type=click.Path(file_okay=False, exists=True), default=None,
+              help="continue the run checkpointed in DIR")
+@click.option("--json", "as_json", is_flag=True, help="print the run summary as JSON")
+@click.pass_context
+def train_cmd(ctx: click.Context, sites: int, workers_per_site: int, wan_mbps: float | None, run_dir: str | None,
+              resume: str | None, as_json: bool, **values: Any) -> None:
+    """Train a model on S x W local processes with a cross-site strategy."""
+    from cpn.runtime.train import run_local
+
+    explicit = {k for k in values if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    base, topology = None, Topology.uniform(sites, workers_per_site)
+    if resume:
+        saved = Path(resume) / "config.json"
+        base = json.loads(saved.read_text()) if saved.exists() else None
+        saved_topo = Path(resume) / "topology.json"
+        if saved_topo.exists() and not {"sites", "workers_per_site"} & _explicit(ctx):
+            topology = Topology.model_validate_json(saved_topo.read_text())
+    cfg = build_config(values, base, explicit)
+    cfg = cfg.model_copy(update={"resume": resume, "checkpoint_dir": cfg.checkpoint_dir or resume})
+    summary = run_local(cfg, topology, wan_mbps=wan_mbps, run_dir=run_dir)
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in summary.items() if k != "val_curve"}, indent=2))
+    else:
+        click.echo(f"{cfg.strategy.name}: {summary['tokens']} tokens in {summary['wall_seconds']:.1f}s, "
+                   f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}, "
+                   f"WAN {summary['wan_bytes'] / 1e6:.1f} MB, compute utilisation {summary['compute_utilization']:.2f}")
+
+
+def _explicit(ctx: click.Context) -> set[str]:
+    return {k for k in ctx.params if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+
+
+@click.command("training")
+@click.option("--sites", type=int, default=2)
+@click.option("--workers-per-site", type=int, default=2)
+@click.option("--wan-mbps", type=float, default=None, help="WAN rate per site in Mbit/s (needs root)")
+@click.option("--strategies", default="ddp,diloco", help="comma-separated strategies, run in this order")
+@click.option("--tokens", type=int, default=1_000_000)
+@click.option("--model", default="tiny")
+@click.option("--seq-len", type=int, default=128)
+@click.option("--global-batch", type=int, default=4096)
+@click.option("--lr", type=float, default=3e-3)
+@click.option("--inner-steps", type=int, default=20, help="H for diloco / local_sgd; gossip and ssp use H/4")
+@click.option("--slow-site", type=int, default=None)
+@click.option("--slowdown", type=float, default=1.0)
+@click.option("--kill-site", type=int, default=None)
+@click.option("--at-fraction", type=float, default=None, help="kill the site at this fraction of the run")
+@click.option("--name", default=None, help="scenario name for the docs files (default: from the flags)")
+@click.option("--out", type=click.Path(file_okay=False), default="docs/benchmarks")
+@click.option("--json", "as_json", is_flag=True)
+def bench_training_cmd(as_json: bool, strategies: str, out: str, **options: Any) -> None:
+    """Every strategy on the same token budget; writes a markdown table and loss plots under --out."""
+    from cpn.runtime.bench_training import BenchOptions, run_benchmark
+
+    opts = BenchOptions(strategies=[s.strip() for s in strategies.split(",") if s.strip()], **options)
+    report = run_benchmark(opts, out_dir=Path(out), command=" ".join(["cpn", "bench", "training", *sys.argv[3:]]))
+    if as_json:
+        click.echo(json.dumps({"results": report["results"]}, indent=2))
+    else:
+        for r in report["results"]:
+            click.echo(f"{r['strategy']:>22}: {r['wall_seconds']:8.1f}s  val {r['final_val_loss']:.4f}  "
+                       f"WAN {r['wan_bytes'] / 1e6:9.2f} MB  util {r['compute_utilization']:.2f}")

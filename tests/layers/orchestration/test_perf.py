@@ -1,0 +1,116 @@
+"""The compute model against hand-computed cases."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+
+from layers.orchestration.planning import perf
+from layers.orchestration.planning.types import Assignment, ClusterOffer, JobRequirements, ModelShape, WanLink
+
+P = 7_000_000_000
+BATCH = 4_000_000
+TOKENS = 40_000_000_000  # 10,000 steps
+
+
+def offer(name: str, site: str, gpus: int = 8, model: str = "H100", tflops: float = 989.0,
+          price: str = "2.00") -> ClusterOffer:
+    return ClusterOffer(name=name, site=site, region="eu", provider="p", gpu_model=model, tflops=tflops,
+                        memory_gb=80, free_gpus=gpus, price_per_gpu_hour=Decimal(price),
+                        intra_node_gbps=900.0, inter_node_gbps=400.0, gpus_per_node=8)
+
+
+def job(**kw) -> JobRequirements:
+    return JobRequirements(model=ModelShape(P, 32, 4096, 4096), tokens=TOKENS, global_batch_tokens=BATCH, **kw)
+
+
+def two_sites(gbps: float = 1.0, rtt_ms: float = 20.0):
+    offers = {"a": offer("a", "s1"), "b": offer("b", "s2")}
+    links = [WanLink("s1", "s2", gbps, rtt_ms, Decimal("0.05"))]
+    placement = [Assignment("a", "s1", 8, "H100"), Assignment("b", "s2", 8, "H100")]
+    return offers, links, placement
+
+
+def test_compute_bound_single_site_matches_hand_computation():
+    offers = {"a": offer("a", "s1")}
+    p = perf.predict(job(), [Assignment("a", "s1", 8, "H100")], "ddp", offers, [])
+    compute = 6 * P * BATCH / (8 * 989e12 * 0.40)
+    comm = 2 * 7 / 8 * (2 * P) * 8 / 900e9 + 2 * 7 * 10e-6  # ring over NVLink, bf16 gradients
+    assert p.steps == 10_000
+    assert p.compute_seconds_per_step == pytest.approx(compute)
+    assert p.comm_seconds_per_step == pytest.approx(comm)
+    total = 10_000 * (compute + comm) + perf.STARTUP_SECONDS
+    assert p.total_seconds == pytest.approx(total)
+    assert p.wan_bytes == 0 and p.egress_bytes_by_link == {}
+    assert p.gpu_seconds_by_cluster == {"a": pytest.approx(8 * total)}
+    assert p.est_cost == pytest.approx(8 * total / 3600 * 2.0)
+
+
+def test_wan_bound_ddp_against_diloco():
+    offers, links, placement = two_sites(gbps=1.0, rtt_ms=20.0)
+    ddp = perf.predict(job(), placement, "ddp", offers, links)
+    diloco = perf.predict(job(inner_steps=100, overlap=False), placement, "diloco", offers, links)
+    k_ddp = 2 * P
+    assert ddp.comm_seconds_per_step == pytest.approx(2 * 15 / 16 * k_ddp * 8 / 1e9 + 2 * 15 * 0.010)
+    intra = 2 * 7 / 8 * (2 * P) * 8 / 900e9 + 2 * 7 * 10e-6
+    outer = intra + 2 * 1 / 2 * (4 * P) * 8 / 1e9 + 2 * 0.010
+    assert diloco.comm_seconds_per_step == pytest.approx(intra + outer / 100)
+    # WAN bytes per hop per step: 2(N-1)/N * 2P every step against 2(S-1)/S * 4P every 100 steps
+    assert ddp.wan_bytes / diloco.wan_bytes == pytest.approx((2 * 15 / 16 * 2) / (4 / 100))
+    assert ddp.total_seconds > 5 * diloco.total_seconds
+    assert set(ddp.egress_bytes_by_link) == {("s1", "s2"), ("s2", "s1")}
+
+
+def test_diloco_overlap_hides_the_outer_all_reduce():
+    offers, links, placement = two_sites(gbps=10.0)
+    hidden = perf.predict(job(inner_steps=100, overlap=True), placement, "diloco", offers, links)
+    shown = perf.predict(job(inner_steps=100, overlap=False), placement, "diloco", offers, links)
+    assert hidden.comm_seconds_per_step < shown.comm_seconds_per_step
+    assert hidden.wan_bytes == shown.wan_bytes
+
+
+@pytest.mark.parametrize(("compression", "ratio"), [("bf16", 0.5), ("fp16", 0.5), ("int8", (1 + 4 / 256) / 4)])
+def test_compression_shrinks_the_wan_leg(compression, ratio):
+    offers, links, placement = two_sites()
+    plain = perf.predict(job(), placement, "diloco", offers, links)
+    packed = perf.predict(job(compression=compression), placement, "diloco", offers, links)
+    assert packed.wan_bytes == pytest.approx(plain.wan_bytes * ratio)
+    # bf16 gradients are already 2 bytes: fp16/bf16 do not shrink them further
+    hier = perf.predict(job(compression=compression), placement, "hierarchical", offers, links)
+    assert hier.wan_bytes == pytest.approx(perf.predict(job(), placement, "hierarchical", offers, links).wan_bytes
+                                           * min(1.0, 2 * ratio))
+
+
+def test_cost_adds_gpu_hours_and_egress():
+    offers, links, placement = two_sites()
+    p = perf.predict(job(), placement, "hierarchical", offers, links)
+    gpu_cost = 16 * p.total_seconds / 3600 * 2.0
+    assert p.est_cost == pytest.approx(gpu_cost + p.wan_bytes / 1e9 * 0.05)
+    assert p.egress_bytes_by_link[("s1", "s2")] == pytest.approx(p.steps * 2 * 1 / 2 * 2 * P)
+
+
+def test_heterogeneous_gpus_share_the_batch_by_throughput():
+    offers = {"a": offer("a", "s1"), "b": offer("b", "s1", model="A100", tflops=312.0)}
+    placement = [Assignment("a", "s1", 4, "H100"), Assignment("b", "s1", 4, "A100")]
+    p = perf.predict(job(), placement, "ddp", offers, [])
+    assert p.compute_seconds_per_step == pytest.approx(6 * P * BATCH / (4 * 989e12 * 0.40 + 4 * 312e12 * 0.45))
+
+
+def test_token_efficiency_adds_steps():
+    offers, links, placement = two_sites()
+    assert perf.predict(job(), placement, "gossip", offers, links).steps == 10_800
+    assert perf.predict(job(), placement, "async_ps", offers, links).steps == 11_000
+
+
+def test_sites_without_a_link_are_unreachable():
+    offers, _, placement = two_sites()
+    with pytest.raises(ValueError, match="no link between sites s1 and s2"):
+        perf.predict(job(), placement, "hierarchical", offers, [])
+
+
+def test_every_strategy_predicts():
+    offers, links, placement = two_sites(gbps=10.0)
+    for strategy in ("ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps"):
+        p = perf.predict(job(), placement, strategy, offers, links)
+        assert p.total_seconds > 0 and p.wan_bytes > 0 and p.strategy == strategy

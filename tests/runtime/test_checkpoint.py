@@ -1,0 +1,42 @@
+"""Checkpoints: atomic files, and resume == an uninterrupted run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cpn.runtime import checkpoint
+from cpn.runtime.config import StrategyConfig, TrainConfig
+from cpn.runtime.topology import Topology
+from cpn.runtime.train import FINAL_MODEL, run_local
+
+
+def cfg(**over: object) -> TrainConfig:
+    return TrainConfig(
+        model="tiny", seq_len=64, global_batch_tokens=1024, tokens=1024 * 40, val_every=20, val_batches=2,
+        strategy=StrategyConfig(name="diloco", inner_steps=5, wan_timeout_seconds=8.0), checkpoint_every=10, **over,
+    )
+
+
+def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    topo = Topology.uniform(2, 1)
+    run_local(cfg(checkpoint_dir=str(tmp_path / "a-ckpt")), topo, run_dir=tmp_path / "a", start_method="fork", timeout=120)
+    run_local(cfg(checkpoint_dir=str(tmp_path / "b-ckpt"), stop_at_step=23), topo, run_dir=tmp_path / "b",
+              start_method="fork", timeout=120)
+    assert checkpoint.latest(tmp_path / "b-ckpt") == {"step": 20, "sites": [0, 1]}
+    run_local(cfg(checkpoint_dir=str(tmp_path / "c-ckpt"), resume=str(tmp_path / "b-ckpt")), topo,
+              run_dir=tmp_path / "c", start_method="fork", timeout=120)
+    a = torch.load(tmp_path / "a" / FINAL_MODEL, weights_only=True)
+    c = torch.load(tmp_path / "c" / FINAL_MODEL, weights_only=True)
+    for name in a:
+        torch.testing.assert_close(a[name], c[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert checkpoint.latest(tmp_path / "c-ckpt")["step"] == 40
+
+
+def test_atomic_save_leaves_no_temporary_files(tmp_path: Path) -> None:
+    checkpoint.atomic_save({"x": torch.ones(3)}, tmp_path / "step-00000001" / "site0.pt")
+    checkpoint.atomic_write_json({"step": 1, "sites": [0]}, tmp_path / checkpoint.LATEST)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["latest.json", "site0.pt", "step-00000001"]
+    assert checkpoint.latest(tmp_path) == {"step": 1, "sites": [0]}
+    assert checkpoint.latest(tmp_path / "missing") is None

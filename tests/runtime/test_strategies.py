@@ -1,0 +1,125 @@
+"""Every strategy trains on 2 sites x 2 workers (real Gloo processes); DiLoCo's special cases; metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpn.runtime.config import FaultConfig, StrategyConfig, TrainConfig
+from cpn.runtime.metrics import HttpSink
+from cpn.runtime.strategies import STRATEGIES
+from cpn.runtime.topology import Topology
+from cpn.runtime.train import FINAL_MODEL, run_local
+
+TWO_BY_TWO = Topology.uniform(2, 2)
+
+
+def tiny(strategy: str, *, steps: int = 40, **knobs: object) -> TrainConfig:
+    faults = knobs.pop("faults", FaultConfig())
+    top = {k: knobs.pop(k) for k in ("optimizer", "lr", "warmup_fraction") if k in knobs}
+    return TrainConfig(
+        model="tiny", seq_len=64, global_batch_tokens=1024, tokens=1024 * steps, val_every=20, val_batches=2,
+        strategy=StrategyConfig(**{"name": strategy, "inner_steps": 5, "wan_timeout_seconds": 8.0, **knobs}),
+        faults=faults, **top,
+    )
+
+
+def run(cfg: TrainConfig, run_dir: Path, topology: Topology = TWO_BY_TWO) -> dict:
+    return run_local(cfg, topology, run_dir=run_dir, timeout=120, start_method="fork")
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / FINAL_MODEL, weights_only=True)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_strategy_lowers_val_loss(strategy: str, tmp_path: Path) -> None:
+    knobs = {"inner_steps": 2} if strategy in ("gossip", "ssp") else {}
+    summary = run(tiny(strategy, **knobs), tmp_path)
+    assert summary["strategy"] == strategy
+    assert summary["finished_ranks"] == [0, 1, 2, 3]
+    assert summary["initial_val_loss"] > 5.0
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.5, summary
+    assert summary["tokens"] >= 1024 * 60
+    assert summary["wan_bytes"] > 0 and summary["compute_seconds"] > 0
+    lines = (tmp_path / "metrics" / "rank1.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    assert last["final"] and last["rank"] == 1 and last["site"] == 0
+    assert {"trainLoss", "valLoss", "tokensPerSecond", "commSeconds", "waitSeconds", "wanBytes"} <= last.keys()
+
+
+def test_diloco_with_h1_and_plain_averaging_equals_synchronous_training(tmp_path: Path) -> None:
+    sync = tiny("ddp", steps=12, optimizer="sgd", lr=0.5)
+    diloco = tiny("diloco", steps=12, optimizer="sgd", lr=0.5, inner_steps=1, outer_lr=1.0,
+                  outer_momentum=0.0, nesterov=False)
+    run(sync, tmp_path / "ddp")
+    run(diloco, tmp_path / "diloco")
+    a, b = final_params(tmp_path / "ddp"), final_params(tmp_path / "diloco")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_diloco_int8_overlap_sends_far_fewer_wan_bytes_than_ddp(tmp_path: Path) -> None:
+    ddp = run(tiny("ddp"), tmp_path / "ddp")
+    diloco = run(tiny("diloco", compression="int8", overlap=True, inner_steps=10), tmp_path / "diloco")
+    assert diloco["wan_bytes"] * 30 < ddp["wan_bytes"]
+    assert diloco["final_val_loss"] < diloco["initial_val_loss"] - 1.5
+
+
+def test_a_killed_site_does_not_stop_a_diloco_run(tmp_path: Path) -> None:
+    cfg = tiny("diloco", faults=FaultConfig(kill_site=1, kill_at_step=22), wan_timeout_seconds=4.0)
+    summary = run(cfg, tmp_path)
+    assert summary["live_sites"] == [0]
+    assert summary["finished_ranks"] == [0, 1]
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.5
+    rank2 = [json.loads(line) for line in (tmp_path / "metrics" / "rank2.jsonl").read_text().splitlines()]
+    assert rank2[-1]["step"] == 22 and not rank2[-1]["final"]
+
+
+def test_config_errors_say_how_to_fix() -> None:
+    with pytest.raises(ValueError, match="multiple of"):
+        TrainConfig(seq_len=64, global_batch_tokens=1000)
+    with pytest.raises(ValueError, match="give both"):
+        FaultConfig(kill_site=1)
+    with pytest.raises(ValueError, match="drop --overlap"):
+        StrategyConfig(name="ddp", overlap=True)
+    with pytest.raises(ValueError, match="does not split over 3 workers"):
+        TrainConfig(seq_len=64, global_batch_tokens=1024).sequences_per_worker(3)
+    cfg = tiny("diloco", compression="int8")
+    assert TrainConfig.from_env(cfg.to_env()) == cfg
+
+
+class _Collector(BaseHTTPRequestHandler):
+    bodies: list[tuple[str, dict]] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append((self.headers["Authorization"], body))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_http_sink_posts_batches_with_bearer_token_and_never_raises() -> None:
+    server = HTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        sink = HttpSink(f"http://127.0.0.1:{server.server_port}/v1/metrics", "tok", batch_size=2)
+        sink.emit({"rank": 0, "step": 1, "final": False})
+        sink.emit({"rank": 0, "step": 2, "final": False})
+        sink.emit({"rank": 0, "step": 3, "final": True})
+        assert [b["reports"][0]["step"] for _, b in _Collector.bodies] == [1, 3]
+        assert _Collector.bodies[0][0] == "Bearer tok"
+    finally:
+        server.shutdown()
+    dead = HttpSink("http://127.0.0.1:9/nowhere", "tok", batch_size=1, timeout=0.5)
+    dead.emit({"rank": 0, "step": 1, "final": True})  # the collector is down: logged, not raised
+    assert dead.failures == 1
