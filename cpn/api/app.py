@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
@@ -28,13 +29,13 @@ def create_app(settings: Settings | None = None, db: Database | None = None, *, 
     app[state.KINDS] = wiring.build_registry(settings)
     app[state.DOCS] = []
     app[middleware.RATE] = middleware.RateLimiter(settings.rate_limit_per_minute)
+    if migrate:  # a cleanup context, so it runs before the reconciler's (contexts start in order)
+        app.cleanup_ctx.append(_migrate)
     metrics.install(app)
     system.setup(app)
     resources.setup(app)
     wiring.setup_layer_routes(app)
     _static(app)
-    if migrate:
-        app.on_startup.append(_migrate)
     app.on_cleanup.append(_dispose)
     return app
 
@@ -49,8 +50,9 @@ def _static(app: web.Application) -> None:
         app.router.add_static("/ui/static", WEB_DIR, show_index=False)
 
 
-async def _migrate(app: web.Application) -> None:
+async def _migrate(app: web.Application) -> AsyncIterator[None]:
     await upgrade_async(app[state.DB].url)
+    yield
 
 
 async def _dispose(app: web.Application) -> None:

@@ -35,6 +35,8 @@ class BenchOptions:
     global_batch: int = 4096
     lr: float = 3e-3
     inner_steps: int = 20
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     staleness: int = 10
     slow_site: int | None = None
     slowdown: float = 1.0
@@ -71,7 +73,8 @@ def strategy_config(spec: str, opts: BenchOptions) -> StrategyConfig:
     every = opts.inner_steps if name in ("diloco", "local_sgd") else max(1, opts.inner_steps // 4)
     return StrategyConfig(
         name=name, inner_steps=every, compression=compression, overlap="overlap" in mods,
-        staleness=opts.staleness, ps=opts.sites, wan_timeout_seconds=20.0 if opts.kill_site is not None else 300.0,
+        staleness=opts.staleness, ps=opts.sites, outer_lr=opts.outer_lr, outer_momentum=opts.outer_momentum,
+        nesterov=opts.outer_momentum > 0, wan_timeout_seconds=20.0 if opts.kill_site is not None else 300.0,
     )
 
 

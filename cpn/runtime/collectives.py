@@ -47,6 +47,7 @@ __all__ = [
 ALGORITHMS = ("flat", "hierarchical", "leader")
 Algorithm = Literal["flat", "hierarchical", "leader"]
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_CHUNK_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -269,6 +270,10 @@ class _Leader:
 _TWO_LEVEL = {"hierarchical": _Hierarchical, "leader": _Leader}
 
 
+def _slices(buf: Tensor, chunk_numel: int) -> list[Tensor]:
+    return list(buf.split(chunk_numel)) if buf.numel() > chunk_numel else [buf]
+
+
 def _run_two_level(
     algo: type[_Hierarchical] | type[_Leader],
     bufs: list[Tensor],
@@ -276,25 +281,29 @@ def _run_two_level(
     codec: Codec | None,
     ef: ErrorFeedback | None,
     key: Hashable,
-) -> list[_Job]:
-    """Pipeline buckets: while bucket i is on the WAN (one background thread, so the WAN groups see
-    the same order on every rank), the main thread reduces bucket i+1 inside the site."""
-    if len(bufs) == 1:
-        job = algo.pre(bufs[0], g, (key, 0))
-        algo.wan(job, g, codec, ef)
-        algo.post(job, g)
-        return [job]
+    chunk_bytes: int,
+) -> list[tuple[int, int]]:
+    """Pipeline ``chunk_bytes`` slices of the buckets: while slice i is on the WAN (one background
+    thread, so the WAN groups see the same order on every rank), the main thread reduces slice i+1
+    inside the site.  Smaller slices fill and drain the pipeline faster but pay the WAN latency
+    once each.  Returns (intra, wan) bytes per bucket."""
+    work = [
+        (b, (key, b, c), part)
+        for b, buf in enumerate(bufs)
+        for c, part in enumerate(_slices(buf, max(1, chunk_bytes // buf.element_size())))
+    ]
+    counts = [[0, 0] for _ in bufs]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpn-wan") as pool:
         staged = []
-        for i, buf in enumerate(bufs):
-            job = algo.pre(buf, g, (key, i))
-            staged.append((job, pool.submit(algo.wan, job, g, codec, ef)))
-        for job, fut in staged:
+        for b, k, part in work:
+            job = algo.pre(part, g, k)
+            staged.append((b, job, pool.submit(algo.wan, job, g, codec, ef)))
+        for b, job, fut in staged:
             fut.result()
             algo.post(job, g)
-    return [job for job, _ in staged]
-
-
+            counts[b][0] += job.intra
+            counts[b][1] += job.wan
+    return [(intra, wan) for intra, wan in counts]
 
 
 def _resolve(algorithm: str, g: Groups) -> str:
@@ -337,11 +346,13 @@ def allreduce(
     op: Literal["sum", "avg"] = "sum",
     error_feedback: ErrorFeedback | None = None,
     key: Hashable = "allreduce",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Stats:
     """Sum (or average) ``tensors`` in place across every rank; every rank passes the same shapes.
 
     ``algorithm`` may carry its compression as ``"hierarchical+int8"``.  ``key`` names the call for
-    error feedback: use one key per distinct tensor list (e.g. ``"grads"``).
+    error feedback: use one key per distinct tensor list (e.g. ``"grads"``).  Two-level algorithms
+    pipeline ``chunk_bytes`` slices of each bucket (intra-site work overlaps the WAN transfer).
     """
     if "+" in algorithm:
         algorithm, compression = parse_algorithm(algorithm)
@@ -356,8 +367,8 @@ def allreduce(
     if algorithm == "flat":
         counts = [_flat(b.flat, g, codec, error_feedback, (key, i)) for i, b in enumerate(buckets)]
     else:
-        jobs = _run_two_level(_TWO_LEVEL[algorithm], [b.flat for b in buckets], g, codec, error_feedback, key)
-        counts = [(job.intra, job.wan) for job in jobs]
+        bufs = [b.flat for b in buckets]
+        counts = _run_two_level(_TWO_LEVEL[algorithm], bufs, g, codec, error_feedback, key, chunk_bytes)
     for bucket, (intra, wan) in zip(buckets, counts, strict=True):
         bucket.unpack()
         stats.intra_bytes += intra

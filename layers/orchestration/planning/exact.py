@@ -28,6 +28,7 @@ solution is re-scored with :func:`perf.predict` on its real ring and the best re
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,13 +49,18 @@ DELTA_TOLERANCE = 1e-6  # stop when no placement is cheaper by more than this sh
 GRID = 8  # tangents placed up front, geometrically between the least and the most throughput
 
 
-def solve(problem: Problem, incumbent: Plan | None = None) -> Plan | None:
-    """The best plan; cases whose bound cannot beat `incumbent` (if given) are skipped."""
+def solve(problem: Problem, incumbent: Plan | None = None, time_limit: float | None = None) -> Plan | None:
+    """The best plan; cases whose bound cannot beat `incumbent` (if given) are skipped.
+
+    With `time_limit` (seconds) the search stops when it runs out and returns the best plan so far.
+    """
     best = incumbent
+    clock = _Clock(time_limit)
     for bound, strategy, sites, level, fabric in sorted(_cases(problem), key=lambda case: case[0]):
-        if best is not None and bound >= best.objective_value * (1 - PRUNE_GAP):
+        if (best is not None and bound >= best.objective_value * (1 - PRUNE_GAP)) or clock.expired():
             break
-        found = _Case(problem, strategy, sites, level, fabric).solve(best.objective_value if best else np.inf)
+        case = _Case(problem, strategy, sites, level, fabric, clock)
+        found = case.solve(best.objective_value if best else np.inf)
         if found is not None and (best is None or found.objective_value < best.objective_value):
             best = found
     return best
@@ -103,11 +109,24 @@ def _lower_bound(problem: Problem, strategy: str, sites: int, level: float, elig
     return float(problem.score(cost, seconds))
 
 
+class _Clock:
+    def __init__(self, limit: float | None):
+        self.end = None if limit is None else time.monotonic() + limit
+
+    def left(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.end is not None and time.monotonic() >= self.end
+
+
 class _Case:
     """One (strategy, S, b) case: its constants, its fixed rows, and the cutting-plane loop."""
 
-    def __init__(self, problem: Problem, strategy: str, sites: int, level: float, fabric: float):
+    def __init__(self, problem: Problem, strategy: str, sites: int, level: float, fabric: float,
+                 clock: _Clock | None = None):
         self.problem, self.strategy, self.sites, self.level = problem, strategy, sites, level
+        self.clock = clock or _Clock(None)
         self.eligible = problem.node_gbps >= fabric
         near = [link for link in problem.links if link.bandwidth_gbps >= level]
         self.rtt = float(np.median([link.rtt_ms for link in near])) if near else 0.0
@@ -171,6 +190,8 @@ class _Case:
         cuts = list(np.geomspace(low, max(fastest_tflops(p, np.flatnonzero(self.eligible)), low), GRID))
         budget_cuts: list[float] = []
         for _ in range(MAX_CUTS):
+            if self.clock.expired():
+                break
             x = self._milp(cuts, budget_cuts, theta - k, (a, b, c, base), budget, floor)
             if x is None:
                 break
@@ -220,10 +241,11 @@ class _Case:
             objective = np.r_[np.zeros(n + m), -1.0]
         else:
             objective = np.r_[p.price / self.p_scale - 1e-9 * p.eff, zeros, 0.0]
+        left = self.clock.left()
         result = milp(objective, constraints=LinearConstraint(vstack(rows, format="csr"), lower, upper),
                       integrality=np.r_[np.ones(n + m), 0.0],
                       bounds=Bounds(np.r_[np.zeros(n + m), -1e6], np.r_[p.free * self.eligible, np.ones(m), 1e6]),
-                      options={"mip_rel_gap": MIP_GAP})
+                      options={"mip_rel_gap": MIP_GAP, **({} if left is None else {"time_limit": max(left, 0.01)})})
         if result.x is None or (np.isfinite(theta) and result.x[-1] <= DELTA_TOLERANCE * self.p_scale):
             return None
         return np.round(result.x[:n]).astype(np.int64)

@@ -18,9 +18,11 @@ unless `sites_min` asks for more. With strategy ``auto`` the planner weighs ddp 
 hierarchical all-reduce and DiLoCo (with the job's compression and overlap) across sites, so the
 link bandwidth decides; an explicit strategy is the only one considered.
 
-Two solvers share this module's :class:`Problem`: `exact` (mixed-integer programs, HiGHS) for up to
-:data:`EXACT_UP_TO` candidate clusters and `heuristic` beyond; `auto` picks by size. When nothing is
-feasible, :func:`plan` raises :class:`Infeasible` naming the binding constraint.
+Two solvers share this module's :class:`Problem`: `exact` (mixed-integer programs, HiGHS) and
+`heuristic` (greedy, numpy). `auto` runs the heuristic, then, for up to :data:`EXACT_UP_TO`
+candidate clusters, the exact solver from the heuristic's plan for at most
+:data:`AUTO_EXACT_SECONDS` (a quote must not stall an API request). When nothing is feasible,
+:func:`plan` raises :class:`Infeasible` naming the binding constraint.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from layers.orchestration.planning.types import (
 __all__ = ["EXACT_UP_TO", "MAX_SITES", "Fabric", "Problem", "plan", "quote_options"]
 
 EXACT_UP_TO = 40
+AUTO_EXACT_SECONDS = 2.0  # `auto` gives the exact solver this long, then keeps the best plan so far
 MAX_SITES = 8
 AUTO_STRATEGIES = ("ddp", "hierarchical", "diloco")
 SOLVERS = ("auto", "exact", "heuristic")
@@ -195,8 +198,10 @@ def solve(problem: Problem, solver: str = "auto") -> Plan | None:
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     quick = heuristic.solve(problem)
-    if solver == "exact" or (solver == "auto" and len(problem.offers) <= EXACT_UP_TO):
+    if solver == "exact":
         return exact.solve(problem, incumbent=quick)
+    if solver == "auto" and len(problem.offers) <= EXACT_UP_TO:
+        return exact.solve(problem, incumbent=quick, time_limit=AUTO_EXACT_SECONDS)
     return quick
 
 
