@@ -135,3 +135,40 @@ def test_api_server_restart_mid_job_launches_nothing_twice(db_url: str, tmp_path
         for s in [server, *restarted]:
             if s.proc.poll() is None:
                 stop_server(s)
+
+
+def test_ddp_restarts_from_checkpoint_on_a_new_placement(db_url: str, tmp_path: Path) -> None:
+    """A synchronous job that loses a site is re-placed on live capacity (the spare site here) and
+    resumes from its latest checkpoint as attempt 2."""
+    server = start_server(db_url, tmp_path, {"CPN_HEARTBEAT_TIMEOUT_SECONDS": "60"})
+    try:
+        w = World(server)
+        job = _job("sync")
+        job["spec"].update(strategy="ddp", gpus={"min": 2, "max": 2}, sites={"min": 2, "max": 2},
+                           globalBatchTokens=2 * 128 * 8, tokens=160_000)
+        w.call(w.user, "POST", "/api/v1/jobs", job)
+        accepted = w.call(w.user, "POST", "/api/v1/jobs/sync/accept", {"quote": "balanced"})
+        first_sites = {p["site"] for p in accepted["status"]["placement"]}
+        deadline = time.monotonic() + 600
+        killed = False
+        while time.monotonic() < deadline:
+            w.beat()
+            got = w.call(w.user, "GET", "/api/v1/jobs/sync")
+            pct = (got["status"].get("progress") or {}).get("percent") or 0
+            if not killed and got["status"]["phase"] == "Running" and pct >= 40:
+                for pid in w.site_pids("sync", 1):
+                    os.kill(pid, signal.SIGKILL)
+                killed = True
+            if got["status"]["phase"] in ("Succeeded", "Failed", "Cancelled"):
+                break
+            time.sleep(1)
+        assert killed and got["status"]["phase"] == "Succeeded", got["status"]
+        assert got["status"]["attempt"] == 2
+        second_sites = {p["site"] for p in got["status"]["placement"]}
+        assert len(second_sites) == 2 and second_sites != first_sites
+        reasons = [e["reason"] for e in w.call(w.user, "GET", "/api/v1/events?job=sync")["items"]]
+        assert "Restarting" in reasons and reasons[-1] == "Succeeded"
+        leases = w.call(w.admin, "GET", "/api/v1/reservations?job=sync")["items"]
+        assert all(x["status"]["state"] != "active" for x in leases)
+    finally:
+        stop_server(server)

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from cpn.core import errors
 from cpn.core.db import Database
 from layers.control import leases
 from layers.orchestration.events import record_event
@@ -23,6 +24,7 @@ from layers.orchestration.identity.tokens import issue_token, revoke_job_tokens
 from layers.orchestration.lifecycle import metering
 from layers.orchestration.lifecycle.models import SubtaskRow
 from layers.orchestration.lifecycle.plan import ELASTIC, free_port, topology_for, train_config
+from layers.orchestration.lifecycle.replan import replace_placement, ring_of
 from layers.resource.capacity import inventory
 from layers.resource.drivers.base import JobLaunch, SubtaskLaunch, SubtaskState
 from layers.resource.drivers.local import driver_for
@@ -221,19 +223,25 @@ class Reconciler:
         await self._retry_or_fail(s, job, subtasks)
 
     async def _retry_or_fail(self, s: AsyncSession, job: JobRow, subtasks: list[SubtaskRow]) -> None:
+        """A synchronous job lost a site: restart from the latest checkpoint on a new placement from
+        live capacity (never on the failed sites); fail only when no feasible placement remains."""
         attempt = int(job.status.get("attempt", 1))
-        failed = {t.cluster for t in subtasks if t.phase in ("Failed", "Lost")}
-        survivors = [p for p in job.status["placement"] if p["cluster"].split("/")[0] not in failed]
-        if attempt >= MAX_ATTEMPTS or not survivors:
-            await self._finish(s, job, "Failed", "NoFeasiblePlacement",
-                               f"attempt {attempt} failed on {sorted(failed)}; no feasible placement remains")
+        failed_sites = {t.site for t in subtasks if t.phase in ("Failed", "Lost")}
+        if attempt >= MAX_ATTEMPTS:
+            await self._finish(s, job, "Failed", "TooManyAttempts",
+                               f"attempt {attempt} failed on {sorted(failed_sites)}; giving up after {attempt}")
             return
-        update_status(job, placement=survivors, ring=[r for r in job.status.get("ring", [])
-                                                      if any(p["site"] == r for p in survivors)])
-        set_phase(job, "Reserved", "Restarting", f"restarting from the latest checkpoint without {sorted(failed)}")
+        try:  # reserve() checks every cluster before it writes a lease, so a refusal leaves nothing behind
+            lines = await replace_placement(s, job, failed_sites, heartbeat_timeout=self.cfg.heartbeat_timeout,
+                                            lease_ttl=self.cfg.lease_ttl)
+        except errors.CPNError as exc:
+            await self._finish(s, job, "Failed", "NoFeasiblePlacement", exc.message)
+            return
+        update_status(job, placement=lines, ring=ring_of(job.status.get("ring", []), lines))
+        set_phase(job, "Reserved", "Restarting", f"restarting from the latest checkpoint without {sorted(failed_sites)}")
         await record_event(s, job.name, "Warning", "Restarting",
-                           f"attempt {attempt} lost {sorted(failed)}; attempt {attempt + 1} resumes from the "
-                           "latest checkpoint on the remaining reserved sites")
+                           f"attempt {attempt} lost {sorted(failed_sites)}; attempt {attempt + 1} resumes from the "
+                           "latest checkpoint on " + ", ".join(f"{p['gpus']}×{p['cluster']}" for p in lines))
 
     async def _finish(self, s: AsyncSession, job: JobRow, phase: str, reason: str, message: str) -> None:
         previous = set_phase(job, phase, reason, message)

@@ -1,0 +1,47 @@
+"""Re-placing a job after a site failure: synchronous strategies restart from their latest
+checkpoint on a new placement drawn from live capacity, never on the failed sites."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from cpn.core import errors
+from layers.control import capacity, leases
+from layers.orchestration.jobs.requirements import objective, planner_inputs, requirements
+from layers.orchestration.planning import placement
+from layers.service.contracts import subtask_name
+from layers.service.models import JobRow
+from layers.service.schemas import TrainingJobSpec
+
+
+async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str], *, heartbeat_timeout: timedelta,
+                            lease_ttl: timedelta) -> list[dict]:
+    """Release the job's leases, plan again without `failed_sites`, lease the new placement — all in
+    the caller's transaction. Raises Infeasible (naming the binding constraint) when nothing fits."""
+    spec = TrainingJobSpec.model_validate(job.spec)
+    req = requirements(spec)
+    if job.status.get("strategy"):
+        req = dataclasses.replace(req, strategy=job.status["strategy"])
+    req = dataclasses.replace(req, exclude_sites=frozenset(req.exclude_sites | failed_sites))
+    await leases.release(s, job.name, "re-placing after a site failure")
+    await s.flush()
+    pool_offers, links, _ = await capacity.snapshot(s, heartbeat_timeout)
+    offers, wan = planner_inputs(pool_offers, links, spec.currency)
+    plan = placement.plan(req, offers, wan, objective(spec))
+    wants = [leases.Want(subtask=subtask_name(job.name, a.cluster), cluster=a.cluster.split("/")[0], gpus=a.gpus)
+             for a in plan.assignments]
+    try:
+        await leases.reserve(s, job=job.name, owner_id=job.owner_id, contract_id=job.status.get("contract"),
+                             wants=wants, heartbeat_timeout=heartbeat_timeout, lease_ttl=lease_ttl,
+                             now=datetime.now(UTC))
+    except errors.Conflict as exc:
+        raise errors.Infeasible(f"no placement without {sorted(failed_sites)}: {exc.message}") from exc
+    return [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model} for a in plan.assignments]
+
+
+def ring_of(plan_ring: list[str], placement_lines: list[dict]) -> list[str]:
+    sites = [p["site"] for p in placement_lines]
+    return [r for r in plan_ring if r in sites] + [s for s in sites if s not in plan_ring]
