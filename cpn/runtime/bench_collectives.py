@@ -35,6 +35,7 @@ class BenchConfig:
     repeats: int = 5
     warmup: int = 1
     bucket_mb: float = 25.0
+    chunk_mb: float = 4.0
     rtt_ms: float = 0.0
 
     def __post_init__(self) -> None:
@@ -58,10 +59,10 @@ def _time_case(spec: str, orig: Any, cfg: BenchConfig) -> dict[str, Any]:
     from cpn.runtime.collectives import allreduce
 
     buf = orig.clone()
-    bucket = int(cfg.bucket_mb * MIB)
+    sizes = {"bucket_bytes": int(cfg.bucket_mb * MIB), "chunk_bytes": int(cfg.chunk_mb * MIB)}
     for _ in range(cfg.warmup):
         buf.copy_(orig)
-        allreduce(buf, algorithm=spec, bucket_bytes=bucket)
+        allreduce(buf, algorithm=spec, **sizes)
     meter = Meter()
     meter.start()
     dist.barrier()
@@ -69,7 +70,7 @@ def _time_case(spec: str, orig: Any, cfg: BenchConfig) -> dict[str, Any]:
     for _ in range(cfg.repeats):
         buf.copy_(orig)
         dist.barrier()
-        stats = allreduce(buf, algorithm=spec, bucket_bytes=bucket)
+        stats = allreduce(buf, algorithm=spec, **sizes)
         times.append(stats.seconds)
     dist.barrier()
     sockets, iface = meter.stop()
@@ -131,7 +132,8 @@ def _annotate(row: dict[str, Any], sites: int, cfg: BenchConfig) -> dict[str, An
     w, b = cfg.workers_per_site, cfg.wan_mbps
     bound = lower_bound_seconds(row["size_bytes"], sites, b) if b and sites > 1 else None
     params = CostParams(rtt_ms=cfg.rtt_ms)
-    predicted = predict_seconds(alg, row["size_bytes"], sites, w, b, comp, params) if b else None
+    chunk = cfg.chunk_mb * MIB
+    predicted = predict_seconds(alg, row["size_bytes"], sites, w, b, comp, params, chunk) if b else None
     return {
         **row,
         "sites": sites,
@@ -214,15 +216,26 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         for r in here:
             base_name = r["algorithm"].split("+")[0]
             base = _find(rows, sites, size, base_name) if "+" in r["algorithm"] else None
-            if base:
+            if base and base["wan_bytes"]:
                 lines.append(
                     f"- {tag}: {r['algorithm']} sends {_fmt(_ratio(r['wan_bytes'], base['wan_bytes']), '.3f')}x the WAN "
                     f"bytes and takes {_fmt(_ratio(r['seconds'], base['seconds']), '.2f')}x the time of {base_name}"
                 )
-        best = max(here, key=lambda r: r["efficiency"] or 0.0)
-        if best["efficiency"]:
-            lines.append(f"- {tag}: highest efficiency **{best['algorithm']}** ({best['efficiency']:.2f})")
+        lines += _best(here, tag)
     return lines
+
+
+def _best(here: list[dict[str, Any]], tag: str) -> list[str]:
+    plain = [r for r in here if "+" not in r["algorithm"] and r["efficiency"]]
+    packed = [r for r in here if "+" in r["algorithm"] and r["efficiency"]]
+    out = []
+    if plain:
+        b = max(plain, key=lambda r: r["efficiency"])
+        out.append(f"- {tag}: highest efficiency uncompressed: **{b['algorithm']}** ({b['efficiency']:.2f})")
+    if packed:
+        b = max(packed, key=lambda r: r["efficiency"])
+        out.append(f"- {tag}: highest efficiency compressed: **{b['algorithm']}** ({b['efficiency']:.2f})")
+    return out
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -255,7 +268,12 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def write_reports(
-    rows: list[dict[str, Any]], cfg: BenchConfig, command: str, out_dir: Path, stem: str = "collectives"
+    rows: list[dict[str, Any]],
+    cfg: BenchConfig,
+    command: str,
+    out_dir: Path,
+    stem: str = "collectives",
+    notes: list[str] | None = None,
 ) -> list[Path]:
     """``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` under ``out_dir``; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -271,6 +289,8 @@ def write_reports(
         f"(`cpn.runtime.costmodel`, RTT {cfg.rtt_ms:g} ms). See `docs/runtime-collectives.md` for the discussion.",
         "",
         *_table(rows),
+        "",
+        *[f"_{n}_" for n in notes or []],
         "",
         "## Summary",
         "",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -106,6 +107,18 @@ def time_to_loss(curve: list[dict[str, Any]], target: float | None) -> float | N
     return next((p["wall"] for p in curve if p["val"] is not None and p["val"] <= target), None)
 
 
+def command_line(opts: BenchOptions) -> str:
+    """The ``cpn bench training`` invocation that reproduces ``opts``."""
+    defaults = BenchOptions()
+    words = ["cpn", "bench", "training"]
+    for name, value in asdict(opts).items():
+        if value is None or (value == getattr(defaults, name) and name not in ("sites", "workers_per_site", "tokens", "model", "strategies")):
+            continue
+        value = ",".join(value) if isinstance(value, list) else value
+        words += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
+    return " ".join([*words, "--json"])
+
+
 def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[str, Any]:
     from cpn.runtime.train import run_local
 
@@ -113,8 +126,8 @@ def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[
     summaries = []
     for label, cfg in runs(opts):
         t0 = time.monotonic()
-        summary = run_local(cfg, topology, wan_mbps=opts.wan_mbps, run_dir=out_dir / ".runs" / opts.scenario / label,
-                            timeout=3 * 3600)
+        run_dir = Path(tempfile.gettempdir()) / "cpn-bench-training" / opts.scenario / label
+        summary = run_local(cfg, topology, wan_mbps=opts.wan_mbps, run_dir=run_dir, timeout=3 * 3600)
         summary["label"], summary["launch_seconds"] = label, round(time.monotonic() - t0, 1)
         summaries.append(summary)
     ddp = next((s for s in summaries if s["strategy"] == "ddp" and s["label"] == "ddp"), None)
@@ -130,7 +143,7 @@ def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[
         for s in summaries
     ]
     report = {
-        "scenario": opts.scenario, "command": command, "options": asdict(opts), "results": results,
+        "scenario": opts.scenario, "command": command or command_line(opts), "options": asdict(opts), "results": results,
         "curves": {s["label"]: s["val_curve"] for s in summaries},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
     }
@@ -197,7 +210,7 @@ def write_markdown(out_dir: Path) -> Path:
         o = report["options"]
         sections += [
             f"## {report['scenario']}", "",
-            f"`{report['command']}`" if report["command"] else "", "",
+            f"`{command_line(BenchOptions(**o))}`", "",
             f"{o['sites']} sites × {o['workers_per_site']} workers, WAN {o['wan_mbps'] or 'unshaped'} Mbit/s per site, "
             f"model `{o['model']}`, {o['tokens']:,} tokens, global batch {o['global_batch']} tokens, seq {o['seq_len']}, "
             f"H={o['inner_steps']}" + (f", site {o['slow_site']} {o['slowdown']}× slower" if o["slow_site"] is not None else "")

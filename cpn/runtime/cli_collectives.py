@@ -6,9 +6,11 @@ The lead mounts ``bench_collectives_cmd`` and ``netem_clean_cmd`` in ``cpn/cli/s
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -43,6 +45,8 @@ def _csv(kind: type, text: str, flag: str) -> list:
 )
 @click.option("--warmup", default=1, show_default=True, type=click.IntRange(min=0), help="untimed runs first")
 @click.option("--bucket-mb", default=25.0, show_default=True, type=float, help="bucket size in MiB")
+@click.option("--chunk-mb", default=4.0, show_default=True, type=float, help="pipeline slice in MiB")
+@click.option("--name", default="collectives", show_default=True, help="file stem of the reports")
 @click.option(
     "--rtt-ms",
     default=0.0,
@@ -61,45 +65,33 @@ def _csv(kind: type, text: str, flag: str) -> list:
 @click.option("--json", "as_json", is_flag=True, help='print {"results": [...]} as JSON')
 def bench_collectives_cmd(
     sites: str,
-    workers_per_site: int,
     sizes_mb: str,
-    wan_mbps: float | None,
     algorithms: str,
-    repeats: int,
-    warmup: int,
-    bucket_mb: float,
-    rtt_ms: float,
     out_dir: Path,
+    name: str,
     no_write: bool,
     as_json: bool,
+    **opts: Any,
 ) -> None:
     """Time flat / hierarchical / leader all-reduce on S x W local processes behind an emulated WAN."""
     from cpn.runtime.bench_collectives import BenchConfig, run_bench, summary, write_reports
     from cpn.runtime.launcher import LaunchError
     from cpn.runtime.netem import NetemError
 
+    load_before = os.getloadavg()
     try:
         cfg = BenchConfig(
             sites=_csv(int, sites, "--sites"),
-            workers_per_site=workers_per_site,
             sizes_mb=_csv(float, sizes_mb, "--sizes-mb"),
-            wan_mbps=wan_mbps,
             algorithms=_csv(str, algorithms, "--algorithms"),
-            repeats=repeats,
-            warmup=warmup,
-            bucket_mb=bucket_mb,
-            rtt_ms=rtt_ms,
+            **opts,
         )
         rows = run_bench(cfg)
     except (ValueError, NetemError, LaunchError) as exc:
         raise click.ClickException(str(exc)) from exc
     if not no_write:
-        command = (
-            "cpn bench collectives " + shlex.join(sys.argv[sys.argv.index("collectives") + 1 :])
-            if "collectives" in sys.argv
-            else "cpn bench collectives"
-        )
-        paths = write_reports(rows, cfg, command, out_dir)
+        load = f"load average (1 min) {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores"
+        paths = write_reports(rows, cfg, _command_line(), out_dir, stem=name, notes=[load])
         click.echo(f"wrote {', '.join(map(str, paths))}", err=True)
     if as_json:
         click.echo(json.dumps({"results": rows}, indent=1))
@@ -107,6 +99,11 @@ def bench_collectives_cmd(
     _print_table(rows)
     for line in summary(rows):
         click.echo(line)
+
+
+def _command_line() -> str:
+    words = sys.argv[sys.argv.index("collectives") + 1 :] if "collectives" in sys.argv else []
+    return " ".join(["cpn bench collectives", *map(shlex.quote, words)])
 
 
 def _print_table(rows: list[dict]) -> None:

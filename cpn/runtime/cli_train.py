@@ -8,7 +8,6 @@ The lead mounts :data:`train_cmd` as ``cpn train`` and :data:`bench_training_cmd
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +132,10 @@ def _explicit(ctx: click.Context) -> set[str]:
 @click.option("--outer-lr", type=float, default=0.7, help="diloco's outer learning rate")
 @click.option("--outer-momentum", type=float, default=0.9, help="diloco's outer Nesterov momentum (0: plain SGD)")
 @click.option("--staleness", type=int, default=10, help="ssp's bound")
-XX, type=float, default=None, help="kill the site at this fraction of the run")
+@click.option("--slow-site", type=int, default=None)
+@click.option("--slowdown", type=float, default=1.0)
+@click.option("--kill-site", type=int, default=None)
+@click.option("--at-fraction", type=float, default=None, help="kill the site at this fraction of the run")
 @click.option("--name", default=None, help="scenario name for the docs files (default: from the flags)")
 @click.option("--out", type=click.Path(file_okay=False), default="docs/benchmarks")
 @click.option("--json", "as_json", is_flag=True)
@@ -142,7 +144,7 @@ def bench_training_cmd(as_json: bool, strategies: str, out: str, **options: Any)
     from cpn.runtime.bench_training import BenchOptions, run_benchmark
 
     opts = BenchOptions(strategies=[s.strip() for s in strategies.split(",") if s.strip()], **options)
-    report = run_benchmark(opts, out_dir=Path(out), command=" ".join(["cpn", "bench", "training", *sys.argv[3:]]))
+    report = run_benchmark(opts, out_dir=Path(out))
     if as_json:
         click.echo(json.dumps({"results": report["results"]}, indent=2))
     else:

@@ -5,10 +5,12 @@ sites of W workers (N = S*W), with each site's WAN uplink the bottleneck:
 
 - flat ring over N ranks:  2(N-1) * alpha_wan + 2(N-1)/N * K * beta_wan   (every step waits on a WAN hop,
   and each site's uplink carries one ring crossing);
-- hierarchical:            2(W-1)/W * K * beta_intra + 2(S-1) * alpha_wan + 2(S-1)/S * K * c * beta_wan;
-- leader:                  2(W-1) * K * beta_intra + 2(S-1) * alpha_wan + 2(S-1)/S * K * c * beta_wan;
+- hierarchical:            2(W-1)/W * k * beta_intra + C * 2(S-1) * alpha_wan + 2(S-1)/S * K * c * beta_wan;
+- leader:                  2(W-1) * k * beta_intra + C * 2(S-1) * alpha_wan + 2(S-1)/S * K * c * beta_wan;
 
-plus, when compressed (wire ratio c), the codec's CPU time, shared by the ranks running at once.
+where the two-level algorithms pipeline C = K/k chunks of k bytes (the intra-site work of all but one
+chunk hides behind the WAN transfer, and every chunk pays the WAN latency), plus, when compressed
+(wire ratio c), the codec's CPU time, shared by the ranks running at once.
 The WAN lower bound for an uncompressed all-reduce is 2(S-1)/S * K / B.  Large messages are
 beta-bound, so flat loses to the others by (N-1)/N : (S-1)/S; small ones are alpha-bound, so the
 algorithm with the fewest WAN-latency steps wins.
@@ -76,6 +78,7 @@ def predict_seconds(
     wan_mbps: float,
     compression: str | None = None,
     params: CostParams | None = None,
+    chunk_bytes: float = 4 * 2**20,
 ) -> float:
     """Predicted seconds for one all-reduce of ``size_bytes`` float32 bytes."""
     p = params or CostParams()
@@ -95,11 +98,13 @@ def predict_seconds(
             + 2 * (n - 1) / n * k * c * b_wan
             + _codec_seconds(k / n, n, n, compression, p)
         )
-    wan = 2 * (s - 1) * a_wan + 2 * (s - 1) / s * k * c * b_wan if s > 1 else 0.0
+    chunks = max(1, -(-int(k) // int(chunk_bytes)))
+    exposed = k if s == 1 else min(k, chunk_bytes)  # intra-site bytes not hidden behind the WAN
+    wan = chunks * 2 * (s - 1) * a_wan + 2 * (s - 1) / s * k * c * b_wan if s > 1 else 0.0
     if algorithm == "hierarchical":
-        intra = 2 * (w - 1) * a_intra + 2 * (w - 1) / w * k * b_intra
+        intra = 2 * (w - 1) * a_intra + 2 * (w - 1) / w * exposed * b_intra
         return intra + wan + (_codec_seconds(k / w, s, n, compression, p) if s > 1 else 0.0)
     if algorithm == "leader":
-        intra = 2 * (w - 1) * (a_intra + k * b_intra)
+        intra = 2 * (w - 1) * (a_intra + exposed * b_intra)
         return intra + wan + (_codec_seconds(k, s, s, compression, p) if s > 1 else 0.0)
     raise ValueError(f"unknown algorithm {algorithm!r}; choose flat, hierarchical or leader")

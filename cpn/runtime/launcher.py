@@ -292,25 +292,28 @@ def launch(
     check: bool = True,
     per_link: bool = True,
     start_method: Literal["spawn", "fork"] = "spawn",
+    emulate_wan: bool | None = None,
 ) -> list[WorkerResult]:
     """Run ``entrypoint`` on ``topology.world_size`` local processes; results in rank order.
 
     ``args`` is passed as ``*args`` (a sequence) or ``**kwargs`` (a mapping) to a callable, or as
     command-line words to a module.  ``wan_mbps`` (default: the topology's) turns on WAN emulation,
-    which needs root.  ``check`` raises :class:`WorkerFailed`/:class:`LaunchTimeout` with the
+    which needs root; ``emulate_wan=True`` turns it on with only the topology's per-site uplinks and
+    per-link rates (``per_link``), ``False`` keeps it off.  ``check`` raises :class:`WorkerFailed`/:class:`LaunchTimeout` with the
     workers' results (``capture_output`` keeps each worker's log tail in them).  ``start_method="fork"``
     skips the interpreter start and torch import per worker (for tests); it cannot enter a namespace,
     needs a callable entry point, and must not be used once this process has initialised torch.distributed.
     """
     ref = _entry_ref(entrypoint)
     rate = wan_mbps or topology.wan_mbps
+    emulate = bool(rate) if emulate_wan is None else emulate_wan
     fork = start_method == "fork"
-    if fork and (rate or ":" not in ref):
+    if fork and (emulate or ":" not in ref):
         raise ValueError("start_method='fork' works only for callables without WAN emulation; use 'spawn'")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_exit())
         rundir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cpn-launch-")))
-        wan = stack.enter_context(WanEmulator(topology, rate, per_link=per_link)) if rate else None
+        wan = stack.enter_context(WanEmulator(topology, rate, per_link=per_link)) if emulate else None
         workers = _start(topology, ref, args, rundir, wan, env or {}, capture_output, fork)
         try:
             why = _wait(workers, _seconds(timeout), failure_grace)

@@ -123,3 +123,23 @@ def test_http_sink_posts_batches_with_bearer_token_and_never_raises() -> None:
     dead = HttpSink("http://127.0.0.1:9/nowhere", "tok", batch_size=1, timeout=0.5)
     dead.emit({"rank": 0, "step": 1, "final": True})  # the collector is down: logged, not raised
     assert dead.failures == 1
+
+
+def test_gossip_graph_varies_and_ps_shards_cover_the_vector() -> None:
+    from cpn.runtime.strategies.async_ps import shard_bounds
+    from cpn.runtime.strategies.gossip import neighbours
+
+    assert [neighbours(0, 8, r, 1) for r in range(4)] == [[1], [2], [4], [1]]
+    assert neighbours(0, 8, 0, 2) == [1, 7]
+    assert neighbours(1, 2, 5, 2) == [0] and neighbours(0, 1, 0, 2) == []
+    bounds = shard_bounds(10, 3)
+    assert bounds == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth() -> None:
+    from cpn.runtime.strategies.base import lr_at
+
+    cfg = tiny("ddp")
+    assert lr_at(cfg, 0.0) < 0.01 * cfg.lr
+    assert lr_at(cfg, cfg.warmup_fraction) == pytest.approx(cfg.lr)
+    assert lr_at(cfg, 1.0) == pytest.approx(0.1 * cfg.lr)

@@ -73,7 +73,8 @@ class DiLoCo(Strategy):
             self._apply(self.pending.wait(), fallback=None)
             self.pending = None
         joined = exchange and self.exchange.join(self.round)
-        self._live = list(self.exchange.members) if joined else [self.ctx.site]
+        if exchange:
+            self._live = list(self.exchange.members) if joined else [self.ctx.site]
         if delayed:  # this round's pseudo-gradient (-progress) is applied one round late
             self.pending = self.exchange.start(self.round, -progress) if joined else None
             return self.theta.detach() + progress

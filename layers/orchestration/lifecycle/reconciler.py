@@ -252,6 +252,7 @@ class Reconciler:
         if contract is not None:
             contract.state = {"Succeeded": "completed", "Failed": "failed"}.get(phase, "cancelled")
         await metering.refresh_progress(s, job)
+        _record_accuracy(job)
         await record_event(s, job.name, "Normal" if phase == "Succeeded" else "Warning", phase,
                            f"{previous} → {phase}: {message} ({released} lease(s) released)")
 
@@ -269,6 +270,18 @@ class Reconciler:
             for name, handles in by_driver.items():
                 await driver_for(name).cancel(launch, handles)
         await self._finish(s, job, "Cancelled", "Cancelled", "cancelled by the user")
+
+
+def _record_accuracy(job: JobRow) -> None:
+    """Keep predicted vs measured run time on the job: the compute model's report card."""
+    times = job.status.get("phaseTimes", {})
+    start, end = times.get("Launching"), times.get(job.phase)
+    predicted = job.status.get("predictedSeconds")
+    if not (start and end and predicted):
+        return
+    wall = (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+    update_status(job, measured={"wallSeconds": round(wall, 1), "predictedSeconds": round(float(predicted), 1),
+                                 "ratio": round(wall / float(predicted), 3) if predicted else None})
 
 
 def is_terminal(job: JobRow) -> bool:

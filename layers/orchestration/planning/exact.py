@@ -98,7 +98,8 @@ def _lower_bound(problem: Problem, strategy: str, sites: int, level: float, elig
     case's WAN level, without latency and with nothing hidden; overhead billed for gpus_min GPUs."""
     names = [f"s{k}" for k in range(sites)]
     share = max(problem.gpus_min / sites, 1.0)
-    fabric = Fabric.of(problem, eligible)
+    fabric = Fabric(float(problem.nvlink[eligible].max()), float(problem.node_gbps[eligible].min()),
+                    int(problem.per_node[eligible].max()))
     comm, _ = perf.site_comm(problem.req, strategy, 1e18, dict.fromkeys(names, share),
                              dict.fromkeys(names, float(fabric.gbps(share))), level, 0.0)
     steps = perf.steps_for(problem.req, strategy)
@@ -110,6 +111,8 @@ def _lower_bound(problem: Problem, strategy: str, sites: int, level: float, elig
 
 
 class _Clock:
+    """An optional deadline shared by the cases of one solve."""
+
     def __init__(self, limit: float | None):
         self.end = None if limit is None else time.monotonic() + limit
 
@@ -121,7 +124,7 @@ class _Clock:
 
 
 class _Case:
-    """One (strategy, S, b) case: its constants, its fixed rows, and the cutting-plane loop."""
+    """One (strategy, S, WAN level, fabric level) case: its constants, fixed rows and cutting-plane loop."""
 
     def __init__(self, problem: Problem, strategy: str, sites: int, level: float, fabric: float,
                  clock: _Clock | None = None):

@@ -128,10 +128,12 @@ def _best_prefixes(problem: Problem, strategy: str, members: np.ndarray, sites: 
     if problem.free[members].sum() < problem.gpus_min:
         return []
     names = [problem.sites[k] for k in sites]
-    lineups = []
+    ratio = problem.price[members] / problem.eff[members]
+    by_ratio = members[np.argsort(ratio, kind="stable")]
+    _, first = np.unique(problem.site_of[by_ratio], return_index=True)
+    lineups = [by_ratio[np.sort(first)]]  # each site's best cluster alone: NVLink while it fits a node
     for level in np.unique(problem.node_gbps[members])[::-1]:
-        chosen = members[problem.node_gbps[members] >= level]
-        lineups.append(chosen[np.argsort(problem.price[chosen] / problem.eff[chosen], kind="stable")])
+        lineups.append(by_ratio[problem.node_gbps[by_ratio] >= level])
     if problem.free[members].sum() > problem.gpus_max:  # the cap binds: the fastest GPUs may win
         lineups.append(members[np.argsort(-problem.eff[members], kind="stable")])
     out = []
@@ -141,8 +143,10 @@ def _best_prefixes(problem: Problem, strategy: str, members: np.ndarray, sites: 
         if len(units) < max(problem.gpus_min, len(sites)):
             continue
         gpus = np.arange(1, len(units) + 1)
+        one_cluster = np.logical_and.accumulate(_is_first_cluster(problem, units))
         value, seconds, cost = problem.surrogate(strategy, names, gpus, np.cumsum(problem.price[units]),
-                                                 np.cumsum(problem.eff[units]), Fabric.of(problem, ranked))
+                                                 np.cumsum(problem.eff[units]), Fabric.of(problem, ranked),
+                                                 one_cluster)
         value = np.where(_allowed(problem, gpus, seconds, cost) & (gpus >= len(sites)), value, np.inf)
         best = int(np.argmin(value))
         if np.isfinite(value[best]):
@@ -150,6 +154,15 @@ def _best_prefixes(problem: Problem, strategy: str, members: np.ndarray, sites: 
             taken = {int(i): int(counts[i]) for i in np.flatnonzero(counts)}
             out.append((float(value[best]), strategy, sites, taken))
     return out
+
+
+def _is_first_cluster(problem: Problem, units: np.ndarray) -> np.ndarray:
+    """Per GPU of a line-up: does it belong to the first cluster its site contributes?"""
+    sites = problem.site_of[units]
+    _, first = np.unique(sites, return_index=True)
+    lead = np.full(len(problem.sites), -1)
+    lead[sites[first]] = units[first]
+    return lead[sites] == units
 
 
 def _one_per_site_first(problem: Problem, ranked: np.ndarray, sites: int) -> np.ndarray:

@@ -70,8 +70,10 @@ class Fabric:
         return cls(float(problem.nvlink[members].min()), float(problem.node_gbps[members].min()),
                    int(problem.per_node[members].max()))
 
-    def gbps(self, gpus_per_site: Any) -> Any:
-        return np.where(np.asarray(gpus_per_site) <= self.gpus_per_node, self.nvlink_gbps, self.node_gbps)
+    def gbps(self, gpus_per_site: Any, one_cluster: Any = True) -> Any:
+        """NVLink while each site's GPUs fit in one node of one cluster, else the node fabric."""
+        nvlink = (np.asarray(gpus_per_site) <= self.gpus_per_node) & np.asarray(one_cluster)
+        return np.where(nvlink, self.nvlink_gbps, self.node_gbps)
 
 
 @dataclass
@@ -128,18 +130,19 @@ class Problem:
         return self.objective.cost * cost / self.cost_ref + self.objective.time * seconds / self.time_ref
 
     def surrogate(self, strategy: str, sites: list[str], gpus: Any, price: Any, tflops: Any,
-                  fabric: Fabric) -> tuple[Any, Any, Any]:
+                  fabric: Fabric, one_cluster: Any = True) -> tuple[Any, Any, Any]:
         """(objective, seconds, cost) of placements on `sites` with these totals (arrays welcome).
 
-        The sites share the GPUs equally and `fabric`; the real split only moves the intra-site
-        term, which :func:`perf.predict` then settles.
+        The sites share the GPUs equally and `fabric` (NVLink only where `one_cluster` says each
+        site uses a single cluster); the real split only moves the intra-site term, which
+        :func:`perf.predict` then settles.
         """
         ring = self.ring(sites)
         wan, rtt = self._bottlenecks.setdefault(tuple(ring), bottleneck(ring, self.index))
         compute = self.flops / np.maximum(tflops, 1e-12)
         share = np.maximum(gpus / len(sites), 1.0)
         comm, sent = perf.site_comm(self.req, strategy, compute, dict.fromkeys(sites, share),
-                                    dict.fromkeys(sites, fabric.gbps(share)), wan, rtt)
+                                    dict.fromkeys(sites, fabric.gbps(share, one_cluster)), wan, rtt)
         steps = perf.steps_for(self.req, strategy)
         seconds = steps * (compute + comm) + perf.STARTUP_SECONDS
         egress = 0.0
