@@ -9,7 +9,7 @@ const STRATEGIES = ["auto", "ddp", "hierarchical", "local_sgd", "diloco", "gossi
 const MODELS = ["tiny", "small", "medium", "base", "large", "gpt2-xl", "llama-7b", "llama-13b", "llama-70b"];
 const SVG_NS = "http://www.w3.org/2000/svg";
 
-const session = { me: null, timer: null, route: 0 };
+const session = { me: null, timer: null, route: 0, stale: false };
 
 // ---------------------------------------------------------------- DOM helpers
 
@@ -176,9 +176,15 @@ function poll(ms, tick) {
     let again = true;
     try {
       again = (await tick()) !== false;
+      if (session.stale) flash("");
+      session.stale = false;
     } catch (err) {
-      if (err instanceof ApiError && err.status === 401) return;
-      flash(`Refresh failed: ${err.message}`);
+      if (err instanceof ApiError && [401, 403, 404].includes(err.status)) {
+        if (err.status !== 401) flash(err.message);
+        return;
+      }
+      session.stale = true;
+      flash(`Refresh failed (retrying): ${err.message}`);
     }
     if (again && route === session.route) session.timer = setTimeout(loop, ms);
   };
@@ -195,14 +201,15 @@ async function route() {
     try {
       session.me = await API.whoami();
     } catch (err) {
-      localStorage.removeItem(TOKEN_KEY);
+      if (err.status === 401) localStorage.removeItem(TOKEN_KEY);
       return renderSignIn(main, err);
     }
   }
   showChrome();
   const [page, arg] = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
   for (const link of document.querySelectorAll("#nav a")) {
-    link.toggleAttribute("aria-current", link.dataset.route === (page || "overview"));
+    if (link.dataset.route === (page || "overview")) link.setAttribute("aria-current", "page");
+    else link.removeAttribute("aria-current");
   }
   main.replaceChildren();
   const view = {
@@ -379,6 +386,7 @@ function renderNewJob(main) {
     ev.preventDefault();
     const button = form.querySelector("button[type=submit]");
     button.disabled = true;
+    markInvalid(form, null);
     out.replaceChildren(el("p", { class: "muted" }, "Submitting and pricing…"));
     try {
       const job = await API.submit(manifestFrom(form));
@@ -387,10 +395,27 @@ function renderNewJob(main) {
       out.replaceChildren(quotesCard(name, quotes, job.status && job.status.message));
     } catch (err) {
       out.replaceChildren(errorBox(err));
+      markInvalid(form, err.field);
     } finally {
       button.disabled = false;
     }
   });
+}
+
+const FORM_FIELDS = {
+  "metadata.name": "name", "spec.model": "model", "spec.tokens": "tokens", "spec.globalBatchTokens": "batch",
+  "spec.strategy": "strategy", "spec.gpus.min": "gpus-min", "spec.gpus.max": "gpus-max",
+  "spec.sites.min": "sites-min", "spec.sites.max": "sites-max", "spec.objective": "objective",
+};
+
+/** Point at the input the server blamed: the error's `field` is a manifest path. */
+function markInvalid(form, path) {
+  for (const input of form.querySelectorAll("[aria-invalid]")) input.removeAttribute("aria-invalid");
+  const key = Object.keys(FORM_FIELDS).find((f) => path === f || (path || "").startsWith(`${f}.`));
+  const input = key && form.querySelector(`#${FORM_FIELDS[key]}`);
+  if (!input) return;
+  input.setAttribute("aria-invalid", "true");
+  input.focus();
 }
 
 function manifestFrom(form) {
@@ -443,7 +468,7 @@ function quoteCard(name, q, status, show) {
       el("dt", {}, "Placement"), el("dd", {}, fmt.placement(q.placement)),
       el("dt", {}, "WAN traffic"), el("dd", {}, `${fmt.num(q.wanGB, 3)} GB`),
       el("dt", {}, "Expires"), el("dd", {}, fmt.time(q.expiresAt))),
-    el("details", {}, el("summary", {}, `${lines.length} price lines`),
+    el("details", {}, el("summary", {}, `${lines.length} price line${lines.length === 1 ? "" : "s"}`),
       table(["Provider", "Cluster", "Item", "Qty", "Amount"],
         lines.map((l) => [l.provider, l.cluster, l.item, l.quantity, l.amount]), "No lines.")),
     accept);
@@ -479,7 +504,7 @@ async function renderJob(main, name) {
     const [job, metrics, subtasks, events] = await Promise.all([
       API.job(name), API.metrics(name), API.subtasks(name), API.events(name)]);
     const st = job.status || {};
-    phase.replaceChildren(badge(st.phase));
+    if (phase.textContent !== st.phase) phase.replaceChildren(badge(st.phase));
     cancel.hidden = TERMINAL.has(st.phase);
     parts.summary.replaceChildren(...summaryStats(job));
     parts.progress.replaceChildren(progressView(st));
@@ -506,7 +531,7 @@ function summaryStats(job) {
   const st = job.status || {};
   const prog = st.progress || {};
   return [stat("Strategy", st.strategy || job.spec.strategy), stat("Sites running", st.sites || "-"),
-    stat("Placement", fmt.placement(st.placement), "wide"), stat("Cost so far", fmt.money(st.cost)),
+    stat("Placement", fmt.placement(st.placement), "wide"), stat(TERMINAL.has(st.phase) ? "Cost" : "Cost so far", fmt.money(st.cost)),
     stat("Quoted price", fmt.money(st.price)), stat("Val loss", fmt.loss(prog.valLoss))];
 }
 
@@ -521,7 +546,7 @@ function progressView(st) {
   const eta = TERMINAL.has(st.phase) ? st.phase.toLowerCase() : `ETA ${fmt.duration(prog.etaSeconds)}`;
   return el("div", {},
     bar(pct, "job progress"),
-    el("p", { class: "progress-text", "aria-live": "polite" },
+    el("p", { class: "progress-text" },
       `${fmt.num(pct, 1)}% · ${fmt.si(prog.tokens || 0)} tokens · ${fmt.si(prog.tokensPerSecond || 0)} tokens/s · ${eta}`),
     st.message ? el("p", { class: "muted" }, st.message) : null);
 }
@@ -569,7 +594,9 @@ function lossChart(series) {
   const xMax = Math.max(...all.map((p) => p[0]), 1);
   let yMin = all.length ? Math.min(...all.map((p) => p[1])) : 0;
   let yMax = all.length ? Math.max(...all.map((p) => p[1])) : 1;
-  if (yMax - yMin < 1e-6) { yMin -= 0.5; yMax += 0.5; }
+  const pad = Math.max((yMax - yMin) * 0.05, 0.05);
+  yMin -= pad;
+  yMax += pad;
   const x = (v) => L + ((W - L - R) * v) / xMax;
   const y = (v) => T + ((H - T - B) * (yMax - v)) / (yMax - yMin);
   const points = (pts) => pts.map(([a, b]) => `${x(a).toFixed(1)},${y(b).toFixed(1)}`).join(" ");

@@ -103,6 +103,7 @@ async def _create_token(settings: Settings, name: str, role: str) -> str:
     "collectives": "cpn.runtime.cli_collectives:bench_collectives_cmd",
     "training": "cpn.runtime.cli_train:bench_training_cmd",
     "scheduler": "cpn.cli.bench:bench_scheduler_cmd",
+    "quotes": "cpn.cli.bench_api:bench_quotes_cmd",
 })
 def bench() -> None:
     """Benchmarks that print figures and write docs/benchmarks/."""

@@ -76,11 +76,16 @@ class Database:
     def __init__(self, url: str, *, echo: bool = False):
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
-        kwargs: dict[str, Any] = {"echo": echo}
+        kwargs: dict[str, Any] = {"echo": echo, "pool_timeout": 300}
         if self.is_sqlite:
             kwargs["connect_args"] = {"timeout": 30}
+            slots = 10  # QueuePool default 5 + 5 overflow
         else:
-            kwargs.update(pool_size=20, max_overflow=40, pool_pre_ping=True)
+            kwargs.update(pool_size=20, max_overflow=30, pool_pre_ping=True)
+            slots = 45
+        # Admission control: a burst of requests queues here, in order, instead of timing out in the
+        # connection pool. No code path holds one session while it opens another.
+        self._gate = asyncio.Semaphore(slots)
         self.engine: AsyncEngine = create_async_engine(url, **kwargs)
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
@@ -90,7 +95,7 @@ class Database:
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
         """One transaction: commit on success, roll back on any error, map DB errors."""
-        async with self.sessionmaker() as session:
+        async with self._gate, self.sessionmaker() as session:
             try:
                 yield session
                 await session.commit()

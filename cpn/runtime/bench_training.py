@@ -205,20 +205,25 @@ def write_markdown(out_dir: Path) -> Path:
                 "`comm share` is the fraction of all ranks' wall time spent moving data (waiting for "
                 "slower peers is counted separately). Loss is cross-entropy in nats per byte on the held-out tail "
                 "of the Python standard library corpus. See `docs/runtime-training.md` for what each strategy does.", ""]
-    for path in sorted(out_dir.glob("training-*.json")):
+    order = {"wan": 0, "straggler": 1, "kill": 2}
+    for path in sorted(out_dir.glob("training-*.json"), key=lambda p: (order.get(p.stem[9:], 9), p.name)):
         report = json.loads(path.read_text())
         o = report["options"]
         sections += [
             f"## {report['scenario']}", "",
             f"`{command_line(BenchOptions(**o))}`", "",
-            f"{o['sites']} sites × {o['workers_per_site']} workers, WAN {o['wan_mbps'] or 'unshaped'} Mbit/s per site, "
-            f"model `{o['model']}`, {o['tokens']:,} tokens, global batch {o['global_batch']} tokens, seq {o['seq_len']}, "
+            f"{o['sites']} sites × {o['workers_per_site']} workers, "
+            + (f"WAN {o['wan_mbps']:g} Mbit/s per site, " if o["wan_mbps"] else "unshaped network, ")
+            + f"model `{o['model']}`, {o['tokens']:,} tokens, global batch {o['global_batch']} tokens, seq {o['seq_len']}, "
             f"H={o['inner_steps']}" + (f", site {o['slow_site']} {o['slowdown']}× slower" if o["slow_site"] is not None else "")
             + f"; {report['machine']['cpus']} CPUs, {report['machine']['when']}.", "",
             *_table(report), "",
             f"![val loss vs wall-clock](training-{report['scenario']}-loss-vs-wall.png)",
             f"![val loss vs tokens](training-{report['scenario']}-loss-vs-tokens.png)", "",
         ]
+    notes = out_dir / "training-notes.md"  # hand-written reading of the numbers, kept across re-runs
+    if notes.exists():
+        sections += [notes.read_text()]
     md = out_dir / "training.md"
     md.write_text("\n".join(sections))
     return md

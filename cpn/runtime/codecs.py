@@ -92,8 +92,7 @@ class Int8Codec(Codec):
     def decode(self, wire: Tensor, numel: int) -> Tensor:
         q = wire[:numel].view(torch.int8).view(-1, self.chunk)
         scale = wire[numel:].view(torch.float32)
-        out = torch.empty(q.shape, dtype=torch.float32, device=wire.device)
-        return torch.mul(q, scale[:, None], out=out).view(-1)
+        return q.float().mul_(scale[:, None]).view(-1)
 
 
 FP16 = FloatCodec(name="fp16", dtype=torch.float16)

@@ -3,6 +3,7 @@ job from the form to the live chart in a headless Chromium."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import re
 import shutil
@@ -14,8 +15,9 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from cpn.core.db import Database
 from tests.api.test_resource import cluster, site
-from tests.conftest import LiveServer, start_server, stop_server
+from tests.conftest import LiveServer, make_token, start_server, stop_server
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
@@ -92,12 +94,21 @@ def _browser_missing() -> str | None:
     return None
 
 
+async def _tokens(db_url: str) -> tuple[str, str]:
+    """Straight into the database: `LiveServer.token` would start the CLI twice (~10 s each here)."""
+    db = Database(db_url)
+    try:
+        return await make_token(db, "prov-a", "provider"), await make_token(db, "alice", "user")
+    finally:
+        await db.dispose()
+
+
 @pytest.fixture
 def portal_world(db_url: str, tmp_path: Path) -> Iterator[tuple[LiveServer, str]]:
     """A live server with one provider's site and cluster, heartbeating, and a user token."""
+    provider, user = asyncio.run(_tokens(db_url))
     server = start_server(db_url, tmp_path)
     try:
-        provider, user = server.token("prov-a", "provider"), server.token("alice", "user")
         headers = {"Authorization": f"Bearer {provider}"}
         docs = [site("fra-1"), cluster("fra-cpu", "fra-1", gpus_per_node=2, nodes=1, price="0.90")]
         resp = httpx.post(f"{server.url}/api/v1/apply", json={"items": docs}, headers=headers, timeout=30)
@@ -122,6 +133,8 @@ def signed_in(server: LiveServer, token: str) -> Iterator[Page]:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--headless"])
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.set_default_timeout(30_000)
+            expect.set_options(timeout=20_000)  # pricing a job takes seconds on a loaded CI machine
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.goto(f"{server.url}/ui")
@@ -159,11 +172,27 @@ def test_user_submits_accepts_and_sees_the_job_page(portal_world: tuple[LiveServ
 
     server, user = portal_world
     with signed_in(server, user) as page:
+        page.goto(f"{server.url}/ui#/jobs/new")
+        page.get_by_label("GPUs min", exact=True).fill("50")
+        page.get_by_label("GPUs max", exact=True).fill("60")
+        page.get_by_role("button", name="Get quotes").click()
+        expect(page.locator("#new-job + div .error")).to_contain_text("no placement")
+        expect(page.locator("#new-job + div .error code")).to_have_text("spec.gpus.min")
+        expect(page.get_by_label("GPUs min", exact=True)).to_have_attribute("aria-invalid", "true")
+
+        page.goto(f"{server.url}/ui#/overview")
         submit_and_accept(page, "portal-job")
         expect(page.locator("#phase .badge")).to_have_text(re.compile(r"Accepted|Reserved|Launching|Running|Succeeded"))
         expect(page.locator("svg#loss-chart")).to_be_visible()
         expect(page.get_by_role("progressbar", name="job progress")).to_be_visible()
         expect(page.get_by_role("cell", name="Submitted", exact=True)).to_be_visible()
+
+        page.get_by_role("button", name="Sign out").click()
+        expect(page.get_by_label("API token")).to_be_visible()
+        assert page.evaluate("localStorage.getItem('cpn.token')") is None
+        page.get_by_label("API token").fill("not-a-token")
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.get_by_role("alert").filter(has_text="token")).to_be_visible()
 
 
 @needs_browser
@@ -176,8 +205,8 @@ def test_live_chart_follows_the_run_to_a_trained_model(portal_world: tuple[LiveS
     with signed_in(server, user) as page:
         submit_and_accept(page, "portal-run")
         expect(page.locator("svg#loss-chart polyline.train")).to_have_attribute(
-            "points", re.compile(r"\d,\d+(\.\d+)?\s+\d"), timeout=120_000)
-        expect(page.locator("#phase .badge")).to_have_text("Succeeded", timeout=120_000)
+            "points", re.compile(r"\d,\d+(\.\d+)?\s+\d"), timeout=300_000)
+        expect(page.locator("#phase .badge")).to_have_text("Succeeded", timeout=300_000)
         expect(page.locator("svg#loss-chart polyline.val")).to_have_attribute("points", re.compile(r"\d"))
         expect(page.locator("svg#speed-chart")).to_be_visible()
         page.get_by_role("link", name="Invoices").click()

@@ -164,20 +164,33 @@ class AsyncPS(Strategy):
         return self.stop or (self.cfg.stop_at_step is not None and step >= self.cfg.stop_at_step)
 
     def finish(self, step: int) -> None:
-        """Rank 0 waits for the other live workers to finish, then pulls the final parameters."""
+        """Rank 0 pulls the final parameters once every live worker is done; servers stay up till then."""
         ctx = self.ctx
         ctx.store.set(f"cpn/ps/done/{ctx.rank}", "1")
-        if ctx.rank != 0:
-            return
-        deadline = time.monotonic() + ctx.cfg.strategy.wan_timeout_seconds
-        for w in range(ctx.groups.world_size):
-            while not ctx.store.check([f"cpn/ps/done/{w}"]) and time.monotonic() < deadline:
-                if any(w in s.dead for s in self.local.values()):
-                    break
-                time.sleep(0.01)
-        load_flat(self.model, self._rpc(torch.zeros_like(flat_params(self.model)), OP_PULL))
+        patience = 4 * ctx.cfg.strategy.wan_timeout_seconds
+        if ctx.rank == 0:
+            deadline = time.monotonic() + patience
+            for w in range(ctx.groups.world_size):
+                while not ctx.store.check([f"cpn/ps/done/{w}"]) and time.monotonic() < deadline:
+                    if any(w in s.dead for s in self.local.values()):
+                        break
+                    time.sleep(0.01)
+            load_flat(self.model, self._rpc(torch.zeros_like(flat_params(self.model)), OP_PULL))
+            ctx.store.set("cpn/ps/released", "1")
+            topo = ctx.groups.topology
+            finished = [w for w in range(topo.world_size) if ctx.store.check([f"cpn/ps/done/{w}"])]
+            self._live = sorted({topo.site_of(w) for w in finished})
+        elif self.local:
+            deadline = time.monotonic() + patience
+            with ctx.timers.timed("wait"):
+                while not ctx.store.check(["cpn/ps/released"]) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
+    _live: list[int] | None = None
 
     def live_sites(self) -> list[int]:
+        if self._live is not None:
+            return self._live
         topo = self.ctx.groups.topology
         dead = set().union(*(s.dead for s in self.local.values())) if self.local else set()
         return sorted({topo.site_of(r) for r in range(topo.world_size) if r not in dead})

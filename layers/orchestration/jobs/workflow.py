@@ -39,6 +39,14 @@ class Timeouts:
                    lease_ttl=timedelta(seconds=settings.lease_ttl_seconds))
 
 
+EXACT_MAX_OFFERS = 12  # beyond this the MILP takes seconds; the heuristic stays within a few % (bench scheduler)
+
+
+def solver_for(offers: int) -> str:
+    """The exact MILP for small catalogues, the heuristic where a request must answer quickly."""
+    return "exact" if offers <= EXACT_MAX_OFFERS else "heuristic"
+
+
 async def submit(session: AsyncSession, principal: Principal, body: Any, idempotency_key: str | None,
                  t: Timeouts) -> tuple[dict[str, Any], bool]:
     """Create a job and quote it. A retried submission with the same Idempotency-Key returns the
@@ -67,7 +75,7 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
     req = requirements(spec, now)
     pool_offers, links, _ = await capacity.snapshot(session, t.heartbeat, now)
     offers, wan = planner_inputs(pool_offers, links, spec.currency)
-    plans = placement.quote_options(req, offers, wan, objective(spec))
+    plans = placement.quote_options(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
     sellers = {o.offer: pricing.Seller(provider=o.provider, provider_account_id=o.owner_id, site=o.site,
                                        price_per_gpu_hour=o.price_per_gpu_hour, currency=o.currency)
                for o in pool_offers}

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from cpn.core import errors
 from layers.control import capacity, leases
 from layers.orchestration.jobs.requirements import objective, planner_inputs, requirements
+from layers.orchestration.jobs.workflow import solver_for
 from layers.orchestration.planning import placement
 from layers.service.contracts import subtask_name
 from layers.service.models import JobRow
@@ -30,7 +31,7 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
     await s.flush()
     pool_offers, links, _ = await capacity.snapshot(s, heartbeat_timeout)
     offers, wan = planner_inputs(pool_offers, links, spec.currency)
-    plan = placement.plan(req, offers, wan, objective(spec))
+    plan = placement.plan(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
     wants = [leases.Want(subtask=subtask_name(job.name, a.cluster), cluster=a.cluster.split("/")[0], gpus=a.gpus)
              for a in plan.assignments]
     try:

@@ -24,6 +24,8 @@ from cpn.core.errors import Infeasible
 from layers.orchestration.planning import exact, heuristic, placement
 from layers.orchestration.planning.types import ClusterOffer, JobRequirements, ModelShape, Objective, WanLink
 
+__all__ = ["example_world", "offers_from_manifests", "optimality_gap", "run", "worked_example"]
+
 PROVIDER_LABEL = "cpn.io/provider"
 MODEL_SIZES = (1_300_000_000, 7_000_000_000, 13_000_000_000, 34_000_000_000, 70_000_000_000)
 

@@ -17,6 +17,8 @@ from decimal import Decimal
 
 from layers.orchestration.planning.types import ClusterOffer
 
+__all__ = ["CPU_MODEL", "CPU_TFLOPS", "MFU", "effective_tflops", "local_slot_offer", "mfu"]
+
 CPU_MODEL = "CPU"
 CPU_TFLOPS = 0.05
 CPU_MEMORY_GB = 4.0

@@ -36,11 +36,13 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix, csr_matrix, vstack
 
 from layers.orchestration.planning import perf
-from layers.orchestration.planning.placement import Fabric
+from layers.orchestration.planning.placement import TIE_BREAK, Fabric
 from layers.orchestration.planning.types import Plan
 
 if TYPE_CHECKING:
     from layers.orchestration.planning.placement import Problem
+
+__all__ = ["fastest_tflops", "solve"]
 
 MAX_CUTS = 30
 MIP_GAP = 1e-7
@@ -177,7 +179,8 @@ class _Case:
         """The successively better placements found, the best last (empty if none beats `target`)."""
         p = self.problem
         base, egress = self._constants(tflops_hat, gpus_hat)
-        w_cost, w_time = p.objective.cost / p.cost_ref, p.objective.time / p.time_ref
+        w_cost = (p.objective.cost + TIE_BREAK) / p.cost_ref
+        w_time = (p.objective.time + TIE_BREAK) / p.time_ref
         a, b = w_cost * self.work / 3600, w_cost * base / 3600
         c, k = w_time * self.work, w_cost * egress / p.cost_ref + w_time * base / p.time_ref
         budget = None if p.req.budget is None else 3600 * (float(p.req.budget) - egress)
@@ -230,13 +233,8 @@ class _Case:
             lower.append(-np.inf)
             upper.append(g - slope * f)
         if np.isfinite(theta):
-            for f in cuts if a + b > 0 else cuts[:1]:
+            for f in cuts:  # a > 0: both weights carry TIE_BREAK
                 lower.append(-np.inf)
-                if a + b == 0:  # time only: better iff F > c/θ
-                    scale = self.p_scale / cuts[0]
-                    rows.append(csr_matrix(np.r_[-scale * p.eff, zeros, self.p_scale][None, :]))
-                    upper.append(-scale * c / theta)
-                    continue
                 h = (theta * f - c) / (a + b * f)
                 slope = (theta * a + b * c) / (a + b * f) ** 2
                 rows.append(csr_matrix(np.r_[p.price - slope * p.eff, zeros, self.p_scale][None, :]))

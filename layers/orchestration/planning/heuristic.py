@@ -3,8 +3,9 @@
 1. Rank sites by their best compute-only objective on their own (every prefix of the site's clusters
    in price-per-TFLOP order, vectorised over all sites at once).
 2. Site sets: the best single sites; and for every bandwidth level b (the distinct link speeds) and
-   each of the best few seeds, grow a set one site at a time, adding the best-ranked site linked at
-   ≥ b to every site already in (the same rule the exact solver enforces), up to the site limit.
+   each of the best few seeds, its pairs with the well-ranked sites linked to it at ≥ b, and a set
+   grown one site at a time, adding the best-ranked site linked at ≥ b to every site already in
+   (the same rule the exact solver enforces), up to the site limit.
 3. For each set and strategy, line the set's GPUs up one by one, cheapest per effective TFLOP first
    among the clusters whose node fabric reaches each level present (a slow fabric slows the whole
    site's all-reduce), and fastest first when `gpus_max` binds; each site's first GPU goes first, so
@@ -29,6 +30,8 @@ from layers.orchestration.planning.types import Plan
 
 if TYPE_CHECKING:
     from layers.orchestration.planning.placement import Problem
+
+__all__ = ["solve"]
 
 SEEDS = 4
 FINALISTS = 4
@@ -101,6 +104,10 @@ def _site_sets(problem: Problem, order: list[int]) -> list[list[int]]:
         seeds = [order[p] for p in np.flatnonzero(widest >= level)[:SEEDS]]
         for seed in seeds:
             chosen, common = [seed], {n for n, bw in neighbours[seed].items() if bw >= level}
+            if problem.sites_min <= 2:  # pairs with other well-ranked sites, not only the best partner
+                for other in common:
+                    if position[other] < 2 * SEEDS:
+                        sets.setdefault(frozenset((seed, other)), [seed, other])
             while len(chosen) < top and common:
                 nxt = min(common, key=position.__getitem__)
                 chosen.append(nxt)
@@ -137,7 +144,11 @@ def _best_prefixes(problem: Problem, strategy: str, members: np.ndarray, sites: 
     if problem.free[members].sum() > problem.gpus_max:  # the cap binds: the fastest GPUs may win
         lineups.append(members[np.argsort(-problem.eff[members], kind="stable")])
     out = []
+    seen: set[bytes] = set()
     for ranked in lineups:
+        if ranked.tobytes() in seen:
+            continue
+        seen.add(ranked.tobytes())
         units = _one_per_site_first(problem, ranked, len(sites))
         units = units[: problem.gpus_max]
         if len(units) < max(problem.gpus_min, len(sites)):

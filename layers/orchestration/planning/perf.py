@@ -54,6 +54,11 @@ from layers.orchestration.planning.types import (
     WanLink,
 )
 
+__all__ = [
+    "STARTUP_SECONDS", "TOKEN_EFFICIENCY", "flops_per_step", "predict", "ring_allreduce_seconds", "site_comm",
+    "steps_for", "wan_bytes_per_param", "wire_ratio",
+]
+
 STARTUP_SECONDS = 120.0
 INTRA_ALPHA_SECONDS = 10e-6
 GRADIENT_BYTES = 2  # bf16 gradients inside a site, and for ddp / hierarchical across sites
@@ -90,14 +95,14 @@ def flops_per_step(req: JobRequirements) -> float:
     return 6.0 * req.model.parameters * req.global_batch_tokens
 
 
-def ring_allreduce_seconds(size_bytes: float, ranks: Any, gbps: float, alpha_s: float) -> Any:
+def ring_allreduce_seconds(size_bytes: float, ranks: Any, gbps: Any, alpha_s: float) -> Any:
     """2(N−1)/N · K/B + 2(N−1)·α; `ranks` may be a numpy array (0 for N ≤ 1)."""
     n = np.maximum(np.asarray(ranks, dtype=float), 1.0)
     return 2 * (n - 1) / n * size_bytes * 8 / (gbps * 1e9) + 2 * (n - 1) * alpha_s
 
 
 def site_comm(req: JobRequirements, strategy: str, compute_s: Any, site_gpus: Mapping[str, Any],
-              intra_gbps: Mapping[str, float], wan_gbps: float, rtt_ms: float) -> tuple[Any, dict[str, Any]]:
+              intra_gbps: Mapping[str, Any], wan_gbps: float, rtt_ms: float) -> tuple[Any, dict[str, Any]]:
     """(exposed communication seconds per step, WAN bytes each site sends its ring successor per step).
 
     `compute_s` and the GPU counts may be numpy arrays (one entry per candidate placement): the

@@ -50,7 +50,8 @@ from layers.orchestration.planning.types import (
 __all__ = ["EXACT_UP_TO", "MAX_SITES", "Fabric", "Problem", "plan", "quote_options"]
 
 EXACT_UP_TO = 40
-AUTO_EXACT_SECONDS = 2.0  # `auto` gives the exact solver this long, then keeps the best plan so far
+AUTO_EXACT_SECONDS = 1.0  # `auto` gives the exact solver this long, then keeps the best plan so far
+TIE_BREAK = 1e-6  # weight added to both terms: among equally cheap plans the faster wins, and vice versa
 MAX_SITES = 8
 AUTO_STRATEGIES = ("ddp", "hierarchical", "diloco")
 SOLVERS = ("auto", "exact", "heuristic")
@@ -127,7 +128,8 @@ class Problem:
         return self._rings[key]
 
     def score(self, cost: Any, seconds: Any) -> Any:
-        return self.objective.cost * cost / self.cost_ref + self.objective.time * seconds / self.time_ref
+        w_cost, w_time = self.objective.cost + TIE_BREAK, self.objective.time + TIE_BREAK
+        return w_cost * cost / self.cost_ref + w_time * seconds / self.time_ref
 
     def surrogate(self, strategy: str, sites: list[str], gpus: Any, price: Any, tflops: Any,
                   fabric: Fabric, one_cluster: Any = True) -> tuple[Any, Any, Any]:

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 from layers.orchestration.planning.types import WanLink
 
+__all__ = ["EXACT_UP_TO", "best_ring", "bottleneck", "hops", "link_index"]
+
 EXACT_UP_TO = 8
 
 Key = tuple[str, str]
