@@ -113,7 +113,7 @@ def db_url(db_factory: DatabaseFactory) -> str:
 
 @pytest.fixture
 def settings(db_url: str, tmp_path: Path) -> Settings:
-    return Settings(database_url=db_url, data_dir=tmp_path, heartbeat_timeout_seconds=60)
+    return Settings(database_url=db_url, data_dir=tmp_path, heartbeat_timeout_seconds=60, reconcile=False)
 
 
 @pytest.fixture

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -34,7 +38,8 @@ def bench_scheduler_cmd(clusters: int, links: int, jobs: int, instances: int, ga
     """
     from layers.orchestration.planning import bench
 
-    report = bench.run(clusters, links, jobs, instances, gap_clusters, seed)
+    with _native_stdout_to_stderr():
+        report = bench.run(clusters, links, jobs, instances, gap_clusters, seed)
     command = (f"cpn bench scheduler --clusters {clusters} --links {links} --jobs {jobs} "
                f"--instances {instances} --gap-clusters {gap_clusters} --seed {seed}")
     if str(out):
@@ -47,3 +52,17 @@ def bench_scheduler_cmd(clusters: int, links: int, jobs: int, instances: int, ga
         gap, lat = report["gap"], report["latency_ms"]
         click.echo(f"gap max {gap['max'] * 100:.2f} % mean {gap['mean'] * 100:.3f} % over {gap['instances']} "
                    f"instances; latency p50 {lat['p50']} ms p95 {lat['p95']} ms p99 {lat['p99']} ms")
+
+
+@contextmanager
+def _native_stdout_to_stderr() -> Iterator[None]:
+    """HiGHS prints the odd debug line straight to file descriptor 1; keep it off the JSON on stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

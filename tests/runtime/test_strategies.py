@@ -45,7 +45,7 @@ def test_every_strategy_lowers_val_loss(strategy: str, tmp_path: Path) -> None:
     assert summary["finished_ranks"] == [0, 1, 2, 3]
     assert summary["initial_val_loss"] > 5.0
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.5, summary
-    assert summary["tokens"] >= 1024 * 60
+    assert summary["tokens"] >= 1024 * 40
     assert summary["wan_bytes"] > 0 and summary["compute_seconds"] > 0
     lines = (tmp_path / "metrics" / "rank1.jsonl").read_text().splitlines()
     last = json.loads(lines[-1])

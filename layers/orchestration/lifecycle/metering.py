@@ -15,7 +15,7 @@ from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.resource.models import ClusterRow, SiteRow
 from layers.service import billing
 from layers.service.jobs import update_status
-from layers.service.models import ContractRow, JobRow
+from layers.service.models import ContractRow, JobRow, LedgerEntry
 
 
 def _unit_prices(job: JobRow) -> tuple[dict[str, Decimal], dict[str, Decimal]]:
@@ -127,9 +127,9 @@ async def refresh_progress(session: AsyncSession, job: JobRow, now: datetime | N
     tps = sum({r.rank: r.tokens_per_second for r in reversed(rows)}.values())
     pct = min(100.0, 100.0 * tokens / total) if total else 0.0
     eta = (total - tokens) / tps if tps > 0 and tokens < total else 0.0
-    entries = (await session.execute(select(billing.LedgerEntry).where(billing.LedgerEntry.job == job.name)
-                                     )).scalars().all()
-    cost = sum((Decimal(e.amount) for e in entries), Decimal(0))
+    entries = list((await session.execute(select(LedgerEntry).where(LedgerEntry.job == job.name))).scalars())
+    # the same arithmetic as the invoice (lines rounded to the cent, then summed), so both agree
+    cost = sum((Decimal(inv["status"]["total"]) for inv in billing.invoices(entries)), Decimal(0))
     update_status(job, progress={"percent": round(pct, 1), "tokens": tokens, "loss": _r(val if val is not None
                                                                                           else train),
                                  "valLoss": _r(val), "trainLoss": _r(train), "tokensPerSecond": round(tps, 1),
