@@ -82,7 +82,7 @@ def bench_quotes_cmd(n: int, concurrency: int, database_url: str, clusters: int,
     data = Path(tempfile.mkdtemp(prefix="cpn-bench-quotes-"))
     port = _free_port()
     env = {**os.environ, "CPN_DATABASE_URL": database_url, "CPN_DATA_DIR": str(data), "CPN_PORT": str(port),
-           "CPN_RECONCILE": "0", "CPN_RATE_LIMIT_PER_MINUTE": str(max(6000, 10 * n)), "CPN_LOG_LEVEL": "WARNING"}
+           "CPN_RECONCILE": "0", "CPN_HEARTBEAT_TIMEOUT_SECONDS": "86400", "CPN_RATE_LIMIT_PER_MINUTE": str(max(6000, 10 * n)), "CPN_LOG_LEVEL": "WARNING"}
     _reset(database_url)
     server = subprocess.Popen([sys.executable, "-m", "cpn.cli.server", "serve"], env=env,
                               stdout=open(data / "server.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
