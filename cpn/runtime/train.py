@@ -25,6 +25,7 @@ from cpn.runtime.groups import init_groups
 from cpn.runtime.launcher import launch
 from cpn.runtime.metrics import Recorder, default_sinks, gather_finals, summarize, write_summary
 from cpn.runtime.model import build_model
+from cpn.runtime.siteenv import globalise
 from cpn.runtime.strategies import Context, Strategy, build_strategy
 from cpn.runtime.topology import Topology
 
@@ -128,6 +129,7 @@ def _summary(ctx: Context, strategy: Strategy, run_dir: str | None, recorder: Re
 
 
 def main() -> int:
+    globalise()  # site-local torchrun ranks → CPN's job-wide ranks (kubernetes driver)
     cfg = TrainConfig.from_env()
     summary = run_worker(cfg, os.environ.get(ENV_RUN_DIR))
     if summary is not None:

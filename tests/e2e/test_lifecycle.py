@@ -103,7 +103,9 @@ def test_diloco_survives_a_killed_site_and_bills_consistently(db_url: str, tmp_p
             invoices = w.call(w.user, "GET", f"/api/v1/invoices?job={job}")["items"]
             assert len(invoices) == 1
             inv = invoices[0]["status"]
-            assert Decimal(inv["total"]) == sum(Decimal(x["amount"]) for x in inv["lines"]) > 0
+            assert Decimal(inv["total"]) == sum(Decimal(x["amount"]) for x in inv["lines"])
+            gpu_hours = [Decimal(x["quantity"]) for x in inv["lines"] if x["item"] == "gpu-hours"]
+            assert gpu_hours and sum(gpu_hours) > 0  # metered from the workers' reports
         payouts = w.call(w.providers["beta-dc"], "GET", "/api/v1/invoices")["items"]
         assert payouts and all(line["provider"] == "beta-dc" for p in payouts for line in p["status"]["lines"])
     finally:
