@@ -174,7 +174,7 @@ def _summary(client: Client, job: dict[str, Any], wall: float) -> None:
 
 
 @click.command("demo")
-@click.option("--tokens", type=int, default=900_000, show_default=True, help="Token budget of the demo job.")
+@click.option("--tokens", type=int, default=3_000_000, show_default=True, help="Token budget of the demo job.")
 @click.option("--model", default="tiny", show_default=True, help="Runtime model preset.")
 @click.option("--wan/--no-wan", default=None, help="Emulate WAN links with netns + tbf (default: when root).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
