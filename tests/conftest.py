@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from cpn.core import migrate
 from cpn.core.db import Database
 from cpn.core.principal import Role
 from cpn.core.settings import Settings
+from cpn.runtime.launcher import free_port
 
 pytest_plugins: list[str] = []
 if (Path(__file__).parent / "conftest_kube.py").exists():
@@ -153,11 +153,6 @@ async def api(aiohttp_client, settings: Settings, db: Database) -> Api:  # type:
         tokens[name] = await make_token(db, name, role)
     return Api(client=client, tokens=tokens)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -21,6 +21,8 @@ from typing import Any
 import click
 import httpx
 
+from cpn.runtime.launcher import free_port
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 
 
@@ -80,7 +82,7 @@ def bench_quotes_cmd(n: int, concurrency: int, database_url: str, clusters: int,
     from layers.resource.catalog import generate_world
 
     data = Path(tempfile.mkdtemp(prefix="cpn-bench-quotes-"))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "CPN_DATABASE_URL": database_url, "CPN_DATA_DIR": str(data), "CPN_PORT": str(port),
            "CPN_RECONCILE": "0", "CPN_HEARTBEAT_TIMEOUT_SECONDS": "86400", "CPN_RATE_LIMIT_PER_MINUTE": str(max(6000, 10 * n)), "CPN_LOG_LEVEL": "WARNING"}
     _reset(database_url)
@@ -128,13 +130,6 @@ def _reset(url: str) -> None:
 
     migrate.downgrade(url, "base")
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(url: str, proc: subprocess.Popen[bytes]) -> None:

@@ -23,6 +23,7 @@ import click
 
 from cpn.cli.ctl import output
 from cpn.client import ApiError, Client
+from cpn.runtime.launcher import free_port
 
 PROVIDERS = {"alpha-cloud": ["fra-1", "ams-1"], "beta-dc": ["nyc-1"]}
 SITES = [  # name, region, lat, lon, price per slot-hour
@@ -84,13 +85,6 @@ class Heartbeats(threading.Thread):
             except ApiError:
                 pass
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _token(env: dict[str, str], name: str, role: str) -> str:
@@ -184,7 +178,7 @@ def demo_cmd(tokens: int, model: str, wan: bool | None, data_dir: Path | None, k
     """Run the end-to-end demo: three sites, quotes, a training job across them, the bill."""
     wan = (os.geteuid() == 0 and shutil.which("tc") is not None) if wan is None else wan
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="cpn-demo-"))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "CPN_DATA_DIR": str(data_dir), "CPN_PORT": str(port), "CPN_DATABASE_URL":
            f"sqlite+aiosqlite:///{data_dir / 'cpn.db'}", "CPN_WAN_EMULATION": "1" if wan else "0",
            "CPN_HEARTBEAT_TIMEOUT_SECONDS": "30", "CPN_RECONCILE_INTERVAL_SECONDS": "1"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from layers.control.topology import derive
@@ -10,12 +9,6 @@ from layers.resource.capacity import LinkView
 from layers.service.schemas import MODEL_PRESETS, RUNNABLE_PRESETS, TrainingJobSpec
 
 ELASTIC = frozenset({"diloco", "local_sgd", "gossip", "async_ps"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def topology_for(placement: list[dict[str, Any]], ring: list[str], links: list[LinkView]) -> dict[str, Any]:

@@ -17,13 +17,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
 from cpn.core.db import Database
+from cpn.runtime.launcher import free_port
 from layers.control import leases
 from layers.orchestration.events import record_event
 from layers.orchestration.identity.models import Account
 from layers.orchestration.identity.tokens import issue_token, revoke_job_tokens
 from layers.orchestration.lifecycle import metering
 from layers.orchestration.lifecycle.models import SubtaskRow
-from layers.orchestration.lifecycle.plan import ELASTIC, free_port, topology_for, train_config
+from layers.orchestration.lifecycle.plan import ELASTIC, topology_for, train_config
 from layers.orchestration.lifecycle.replan import replace_placement, ring_of
 from layers.resource.capacity import inventory
 from layers.resource.drivers.base import JobLaunch, SubtaskLaunch, SubtaskState
