@@ -140,7 +140,9 @@ def _start(spec: RunnerSpec, run_dir: Path, wan: Any) -> list[Worker]:
     return workers
 
 
-def _site_states(spec: RunnerSpec, workers: list[Worker]) -> list[dict[str, Any]]:
+def _site_states(spec: RunnerSpec, workers: list[Worker], collateral: set[int]) -> list[dict[str, Any]]:
+    """Per-site phase. A site the runner stopped because another failed is Cancelled, not Failed:
+    the orchestrator must not blame it when it places the next attempt."""
     out = []
     for s in spec.sites:
         mine = [w for w in workers if w.site == s.index]
@@ -151,6 +153,8 @@ def _site_states(spec: RunnerSpec, workers: list[Worker]) -> list[dict[str, Any]
             phase = "Succeeded"
         else:
             phase = "Running"
+        if phase == "Failed" and s.index in collateral:
+            phase = "Cancelled"
         out.append({"index": s.index, "subtask": s.subtask, "phase": phase, "exitCodes": codes,
                     "pids": [w.proc.pid for w in mine]})
     return out
@@ -177,15 +181,17 @@ def supervise(spec: RunnerSpec, run_dir: Path, wan: Any = None) -> str:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(why="Cancelled"))
     deadline = time.monotonic() + spec.timeout_seconds
     phase = "Running"
+    collateral: set[int] = set()
     while True:
         for w in workers:
             if w.exit_code is None:
                 w.exit_code = w.proc.poll()
-        sites = _site_states(spec, workers)
+        sites = _site_states(spec, workers, collateral)
         failed = {s["index"] for s in sites if s["phase"] == "Failed"}
         if failed:
             _kill(workers, failed)  # a site whose worker died is gone as a whole
-            if not spec.elastic:
+            if not spec.elastic and not collateral:  # a synchronous job stops with its first failed site
+                collateral = {s.index for s in spec.sites} - failed
                 _kill(workers)
         if stop["why"] or time.monotonic() > deadline:
             phase = stop["why"] or "TimedOut"

@@ -172,7 +172,8 @@ class Reconciler:
             if state.phase in ("Running", "Launching") and cluster is not None \
                     and not is_ready(cluster, self.cfg.heartbeat_timeout)[0]:
                 await self._kill_site(job, t, state)
-                state = SubtaskState(phase="Failed", message=f"cluster {t.cluster} stopped heartbeating")
+                state = SubtaskState(phase="Failed", message=f"cluster {t.cluster} stopped heartbeating",
+                                     exit_codes={"heartbeat": -9})
             if state.phase != t.phase:
                 await self._transition(s, job, t, state)
         live = [t for t in subtasks if t.phase not in DONE]
@@ -192,6 +193,9 @@ class Reconciler:
         if state.phase in DONE:
             t.finished_at = datetime.now(UTC)
         if failed:
+            killed = any(isinstance(c, int) and (c < 0 or c in (137, 143)) for c in state.exit_codes.values())
+            update_status(job, failedSites=[*job.status.get("failedSites", []),
+                                            {"attempt": t.attempt, "site": t.site, "killed": killed}])
             contract = await contract_of(s, job)
             credit = await metering.credit_lost_work(s, job, contract, t.cluster,
                                                      f"{t.cluster} failed: lost work since the last checkpoint")
@@ -227,7 +231,7 @@ class Reconciler:
         """A synchronous job lost a site: restart from the latest checkpoint on a new placement from
         live capacity (never on the failed sites); fail only when no feasible placement remains."""
         attempt = int(job.status.get("attempt", 1))
-        failed_sites = {t.site for t in subtasks if t.phase in ("Failed", "Lost")}
+        failed_sites = _culprits(job, attempt, {t.site for t in subtasks if t.phase in ("Failed", "Lost")})
         if attempt >= MAX_ATTEMPTS:
             await self._finish(s, job, "Failed", "TooManyAttempts",
                                f"attempt {attempt} failed on {sorted(failed_sites)}; giving up after {attempt}")
@@ -271,6 +275,13 @@ class Reconciler:
             for name, handles in by_driver.items():
                 await driver_for(name).cancel(launch, handles)
         await self._finish(s, job, "Cancelled", "Cancelled", "cancelled by the user")
+
+
+def _culprits(job: JobRow, attempt: int, failed: set[str]) -> set[str]:
+    """Of the sites that failed together, the ones whose workers were killed or lost are to blame;
+    peers that crashed because a collective lost its partner are not (Gloo raises on them)."""
+    killed = {f["site"] for f in job.status.get("failedSites", []) if f["attempt"] == attempt and f["killed"]}
+    return (killed & failed) or failed
 
 
 def _record_accuracy(job: JobRow) -> None:
