@@ -100,7 +100,9 @@ def db_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DatabaseFac
         try:
             asyncio.run(_pg_admin(pg, "SELECT 1"))
         except Exception as exc:  # noqa: BLE001
-            pytest.skip(f"CPN_TEST_DATABASE_URL is set but PostgreSQL is unreachable: {exc}")
+            # Not a skip: a run that asked for PostgreSQL and silently tested nothing would pass green.
+            pytest.fail(f"CPN_TEST_DATABASE_URL is set but PostgreSQL does not answer at {pg}: {exc}",
+                        pytrace=False)
     factory = DatabaseFactory(tmp_path_factory.mktemp("db"), pg)
     yield factory
     factory.cleanup()
@@ -182,16 +184,17 @@ def run_cli(argv: list[str], env: dict[str, str], input: str | None = None,
 
 
 def start_server(db_url: str, tmp: Path, extra_env: dict[str, str] | None = None,
-                 port: int | None = None) -> LiveServer:
+                 port: int | None = None, host: str = "127.0.0.1") -> LiveServer:
     port = port or free_port()
     env = {**os.environ, "CPN_DATABASE_URL": db_url, "CPN_DATA_DIR": str(tmp), "CPN_PORT": str(port),
+           "CPN_HOST": host,
            "CPN_CONFIG": str(tmp / "cpnctl.yaml"), "HOME": str(tmp), **(extra_env or {})}
     env.pop("CPN_SERVER", None)
     env.pop("CPN_TOKEN", None)
     exe = Path(sys.executable).parent / "cpn"
     log = open(tmp / f"server-{port}.log", "a")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen([str(exe), "serve", "--port", str(port)], env=env, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     wait_healthy(url, proc, tmp / f"server-{port}.log")
     return LiveServer(url=url, env=env, proc=proc)
 

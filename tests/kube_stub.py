@@ -12,7 +12,10 @@ Generic REST over an in-memory store keyed by (group/version, namespace, plural)
     POST   /api/v1/[namespaces/{ns}/]{plural}            create (uid, resourceVersion, timestamps)
     PUT    .../{name}[/status]                           replace
     PATCH  .../{name}[/status]                           JSON merge patch
-    DELETE .../{name}                                    delete, answers a Status
+    DELETE .../{name}                                    delete, answers a Status; dependents (by
+                                                         ownerReferences) go too, as the garbage
+                                                         collector does, unless propagationPolicy=Orphan
+                                                         (the default for Jobs, as in Kubernetes)
     and the same under /apis/{group}/{version}/...       (e.g. batch/v1 jobs)
     GET    /version
 
@@ -59,6 +62,7 @@ KINDS = {
     "persistentvolumeclaims": "PersistentVolumeClaim", "serviceaccounts": "ServiceAccount",
 }
 PLURALS = {kind: plural for plural, kind in KINDS.items()}
+ORPHAN_BY_DEFAULT = {"jobs"}  # batch/v1 Jobs keep their pods unless a propagationPolicy says otherwise
 GPU = "nvidia.com/gpu"
 
 
@@ -273,6 +277,11 @@ class KubeStub:
         if req.method == "DELETE":
             del self.store[key][name]
             self._fire("delete", plural, current)
+            options = req.body if isinstance(req.body, dict) else {}
+            policy = (req.query.get("propagationPolicy") or options.get("propagationPolicy")
+                      or ("Orphan" if plural in ORPHAN_BY_DEFAULT else "Background"))
+            if policy != "Orphan":
+                self._collect(current["metadata"].get("uid"))
             details = {"name": name, "kind": plural, "uid": current["metadata"].get("uid")}
             if gv != "v1":
                 details["group"] = gv.split("/")[0]
@@ -331,6 +340,16 @@ class KubeStub:
         self.store[key][current["metadata"]["name"]] = updated
         self._fire("update", key[2], updated)
         return 200, copy.deepcopy(updated)
+
+    def _collect(self, owner_uid: str | None) -> None:
+        """The garbage collector: delete the dependents of a deleted owner, and theirs."""
+        for (_gv, _ns, plural), bucket in list(self.store.items()):
+            for name, obj in list(bucket.items()):
+                refs = obj["metadata"].get("ownerReferences") or []
+                if owner_uid and any(ref.get("uid") == owner_uid for ref in refs):
+                    del bucket[name]
+                    self._fire("delete", plural, obj)
+                    self._collect(obj["metadata"].get("uid"))
 
     def _insert(self, key: Key, obj: Obj) -> Obj:
         meta = obj.setdefault("metadata", {})

@@ -78,3 +78,25 @@ def test_fixtures_are_valid_kubernetes_objects() -> None:
                 make_node("down-a", gpu_product="NVIDIA-L40S", gpus=4, ready=False),
                 make_pod("train-0", node="gpu-a", gpus=8), make_pod("queued-0", node=None, gpus=1, phase="Pending")):
         kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+def test_secrets_and_selectors_and_the_garbage_collector(kube_stub: KubeStub, kube_api: k8s.ApiClient) -> None:
+    core, batch = k8s.CoreV1Api(kube_api), k8s.BatchV1Api(kube_api)
+    job = batch.create_namespaced_job("cpn", _job("j3"))
+    owned = k8s.V1ObjectMeta(name="j3", labels={"cpn.io/job": "j1", "tier": "a"}, owner_references=[
+        k8s.V1OwnerReference(api_version="batch/v1", kind="Job", name="j3", uid=job.metadata.uid)])
+    core.create_namespaced_secret("cpn", k8s.V1Secret(metadata=owned, string_data=None, data={"k": "dg=="}))
+    assert core.read_namespaced_secret("j3", "cpn").data == {"k": "dg=="}
+    assert [s.metadata.name for s in core.list_namespaced_secret("cpn", label_selector="cpn.io/job=j1,tier").items] \
+        == ["j3"]
+    assert core.list_namespaced_secret("cpn", label_selector="cpn.io/job=j1,!tier").items == []
+    assert core.list_namespaced_secret("cpn", label_selector="tier!=a").items == []
+
+    batch.delete_namespaced_job("j3", "cpn")  # Jobs orphan their dependents by default
+    assert kube_stub.get("secrets", "j3", "cpn") is not None
+    batch.create_namespaced_job("cpn", _job("j4"))
+    core.patch_namespaced_secret("j3", "cpn", {"metadata": {"ownerReferences": [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": "j4", "uid": kube_stub.get("jobs", "j4", "cpn", "batch/v1")[
+            "metadata"]["uid"]}]}})
+    batch.delete_namespaced_job("j4", "cpn", propagation_policy="Background")
+    assert kube_stub.get("secrets", "j3", "cpn") is None

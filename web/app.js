@@ -5,11 +5,13 @@ const TOKEN_KEY = "cpn.token";
 const POLL_MS = 2000;
 const LIST_POLL_MS = 5000;
 const TERMINAL = new Set(["Succeeded", "Failed", "Cancelled"]);
+const ACTIVE = new Set(["Accepted", "Reserved", "Launching", "Running"]);
 const STRATEGIES = ["auto", "ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps"];
 const MODELS = ["tiny", "small", "medium", "base", "large", "gpt2-xl", "llama-7b", "llama-13b", "llama-70b"];
 const SVG_NS = "http://www.w3.org/2000/svg";
+const WORLD_URL = "/ui/static/world.json";
 
-const session = { me: null, timer: null, route: 0, stale: false };
+const session = { me: null, timer: null, route: 0, stale: false, rejected: "", world: null };
 
 // ---------------------------------------------------------------- DOM helpers
 
@@ -42,18 +44,22 @@ function append(node, children) {
   }
 }
 
-function table(headers, rows, empty) {
+/** A table that stays inside the page: a focusable, named scroll region on wide screens, and one
+ * card per row on narrow ones (each cell carries its column name for the CSS to show). */
+function table(headers, rows, empty, label = "table") {
   if (!rows.length) return el("p", { class: "muted" }, empty);
-  return el("div", { class: "scroll" }, el("table", {},
-    el("thead", {}, el("tr", {}, headers.map((h) => el("th", { scope: "col" }, h)))),
-    el("tbody", {}, rows.map((cells) => el("tr", {}, cells.map((c) => el("td", {}, c)))))));
+  return el("div", { class: "scroll", tabindex: 0, role: "region", "aria-label": label },
+    el("table", {},
+      el("thead", {}, el("tr", {}, headers.map((h) => el("th", { scope: "col" }, h)))),
+      el("tbody", {}, rows.map((cells) => el("tr", {},
+        cells.map((c, i) => el("td", { "data-label": headers[i] }, c)))))));
 }
 
 function badge(text) {
   const tone = {
     Succeeded: "ok", Running: "run", Ready: "ok", True: "ok", Launching: "run", Reserved: "info",
     Accepted: "info", Quoted: "info", Pending: "muted", Failed: "bad", Cancelled: "muted", False: "bad",
-    Warning: "warn", Normal: "muted",
+    Warning: "warn", Normal: "muted", Recommended: "ok", Expired: "bad",
   }[text] || "muted";
   return el("span", { class: `badge ${tone}` }, text ?? "-");
 }
@@ -71,20 +77,31 @@ function section(title, ...children) {
 
 // ---------------------------------------------------------------- formatting
 
+const UNITS = { "gpu-hours": "GPU-h", egress: "GB" };
+
 const fmt = {
   num: (v, digits = 0) => (v === null || v === undefined || Number.isNaN(Number(v)) ? "-"
-    : Number(v).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: digits })),
+    : Number(v).toLocaleString("en-US", { maximumFractionDigits: digits, minimumFractionDigits: digits })),
   loss: (v) => (v === null || v === undefined ? "-" : Number(v).toFixed(3)),
-  money: (m) => (m && m.total !== undefined ? `${Number(m.total).toFixed(2)} ${m.currency || ""}`.trim() : "-"),
+  money: (m) => (m && m.total !== undefined && m.total !== null
+    ? `${Number(m.total).toFixed(2)} ${m.currency || ""}`.trim() : "-"),
   duration(seconds) {
     if (seconds === null || seconds === undefined) return "-";
     const s = Math.max(0, Math.round(Number(seconds)));
-    if (s >= 3600) return `${Math.floor(s / 3600)}h ${Math.round((s % 3600) / 60)}m`;
-    if (s >= 60) return `${Math.floor(s / 60)}m ${s % 60}s`;
-    return `${s}s`;
+    if (s >= 3600) return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
+    if (s >= 60) return `${Math.floor(s / 60)} min ${s % 60} s`;
+    return `${s} s`;
   },
   time: (iso) => (iso ? el("time", { datetime: iso },
     new Date(iso).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit", hour12: false })) : "-"),
+  when(iso) {
+    if (!iso) return "-";
+    const d = new Date(iso);
+    const today = d.toDateString() === new Date().toDateString();
+    const text = today ? d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", hour12: false })
+      : d.toLocaleString([], { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit", hour12: false });
+    return el("time", { datetime: iso, title: d.toLocaleString() }, text);
+  },
   bytes: (n) => (n >= 1e9 ? `${(n / 1e9).toFixed(2)} GB` : n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : `${(n / 1e3).toFixed(0)} kB`),
   si(v) {
     const n = Number(v);
@@ -96,6 +113,13 @@ const fmt = {
     return `${+n.toFixed(2)}`;
   },
   placement: (items) => (items || []).map((p) => `${p.gpus}× ${p.gpuModel} @ ${p.site}`).join(", ") || "-",
+  /** A price line in words: "0.0083 GPU-h × 0.90 USD/GPU-h = 0.01 USD". */
+  line(l, currency) {
+    const unit = UNITS[l.item] || l.item;
+    const qty = Number(l.quantity);
+    const each = l.unitPrice !== undefined ? ` × ${l.unitPrice} ${currency}/${unit}` : "";
+    return `${qty < 0.01 ? qty.toPrecision(2) : fmt.num(qty, 4)} ${unit}${each} = ${Number(l.amount).toFixed(2)} ${currency}`;
+  },
 };
 
 // ---------------------------------------------------------------- API
@@ -130,11 +154,15 @@ const enc = encodeURIComponent;
 const API = {
   whoami: () => api("/api/v1/whoami"),
   topSites: () => api("/api/v1/top/sites"),
+  topLinks: () => api("/api/v1/top/links"),
+  sites: () => api("/api/v1/sites"),
   clusters: () => api("/api/v1/clusters"),
   links: () => api("/api/v1/links"),
   jobs: () => api("/api/v1/jobs"),
   job: (name) => api(`/api/v1/jobs/${enc(name)}`),
+  preview: (manifest) => api("/api/v1/jobs?dryRun=true", { method: "POST", body: manifest }),
   submit: (manifest) => api("/api/v1/jobs", { method: "POST", body: manifest }),
+  replace: (name, manifest) => api(`/api/v1/jobs/${enc(name)}`, { method: "PUT", body: manifest }),
   quotes: (name) => api(`/api/v1/jobs/${enc(name)}/quotes`),
   accept: (name, quote) => api(`/api/v1/jobs/${enc(name)}/accept`, { method: "POST", body: { quote } }),
   cancel: (name) => api(`/api/v1/jobs/${enc(name)}/cancel`, { method: "POST", body: {} }),
@@ -145,12 +173,37 @@ const API = {
   invoices: () => api("/api/v1/invoices"),
 };
 
+/** The world outline shipped with the portal (Natural Earth 1:110m land), fetched once. */
+async function world() {
+  if (!session.world) {
+    session.world = fetch(WORLD_URL).then((r) => (r.ok ? r.json() : { rings: [] })).catch(() => ({ rings: [] }));
+  }
+  return session.world;
+}
+
+/** The words a user reads for a manifest path the API blamed. */
+const FIELD_WORDS = {
+  "metadata.name": "Name", "spec.model": "Model", "spec.tokens": "Tokens",
+  "spec.globalBatchTokens": "Global batch", "spec.strategy": "Strategy", "spec.gpus.min": "GPUs min",
+  "spec.gpus.max": "GPUs max", "spec.gpus": "GPUs", "spec.sites.min": "Sites min", "spec.sites.max": "Sites max",
+  "spec.sites": "Sites", "spec.objective": "Objective",
+};
+
+/** An API message without a leading "spec.x.y: " (the field is shown by name, next to its input). */
+function plainMessage(err) {
+  const msg = err.message || String(err);
+  const cut = msg.match(/^[a-zA-Z][\w.[\]]*:\s+(.*)$/s);
+  const text = cut && cut[0].split(":")[0].includes(".") ? cut[1] : msg;
+  return text.charAt(0).toUpperCase() + text.slice(1);
+}
+
 function errorBox(err) {
+  const words = err.field && FIELD_WORDS[err.field];
   const box = el("div", { class: "error", role: "alert" },
-    el("strong", {}, err.message || String(err)));
-  if (err.field) box.append(el("div", {}, "Field: ", el("code", {}, err.field)));
+    el("strong", {}, words ? `${words}: ${plainMessage(err)}` : plainMessage(err)));
+  if (err.field && !words) box.append(el("div", {}, "Field: ", el("code", {}, err.field)));
   for (const more of (err.details && err.details.errors) || []) {
-    box.append(el("div", {}, el("code", {}, more.field || "-"), ": ", more.message));
+    box.append(el("div", {}, FIELD_WORDS[more.field] || el("code", {}, more.field || "-"), ": ", more.message));
   }
   return box;
 }
@@ -201,7 +254,10 @@ async function route() {
     try {
       session.me = await API.whoami();
     } catch (err) {
-      if (err.status === 401) localStorage.removeItem(TOKEN_KEY);
+      if (err.status === 401) {
+        session.rejected = token();  // keep what was pasted in the box: a typo is fixed, not retyped
+        localStorage.removeItem(TOKEN_KEY);
+      }
       return renderSignIn(main, err);
     }
   }
@@ -216,6 +272,8 @@ async function route() {
     jobs: () => (arg === "new" ? renderNewJob(main) : arg ? renderJob(main, arg) : renderJobs(main)),
     billing: () => renderBilling(main),
   }[page] || (() => renderOverview(main));
+  document.title = `${{ jobs: arg === "new" ? "New job" : arg ? `Job ${arg}` : "Jobs", billing: "Invoices" }[page]
+    || "Overview"} · CPN portal`;
   await view();
   main.focus({ preventScroll: true });
 }
@@ -234,6 +292,7 @@ function isProvider() { return session.me && session.me.role === "provider"; }
 function signOut(message) {
   localStorage.removeItem(TOKEN_KEY);
   session.me = null;
+  session.rejected = "";
   document.getElementById("nav").hidden = true;
   document.getElementById("who").hidden = true;
   location.hash = "#/overview";
@@ -245,15 +304,18 @@ function signOut(message) {
 function renderSignIn(main, err) {
   document.getElementById("nav").hidden = true;
   document.getElementById("who").hidden = true;
+  document.title = "Sign in · CPN portal";
   const input = el("input", { id: "token", name: "token", type: "password", autocomplete: "off", required: true,
-                              placeholder: "cpn_…", "aria-describedby": "token-help" });
+                              placeholder: "cpn_…", "aria-describedby": err ? "token-help token-error" : "token-help",
+                              "aria-invalid": err ? "true" : null });
+  input.value = session.rejected || "";
   const form = el("form", { class: "card narrow", id: "signin" },
     el("h1", {}, "Sign in to CPN"),
     el("label", { for: "token" }, "API token"), input,
+    err ? el("div", { id: "token-error" }, errorBox(err)) : null,
     el("p", { id: "token-help", class: "muted" },
       "Paste a token from ", el("code", {}, "cpn token create NAME --role user"),
       ". It stays in this browser's local storage until you sign out."),
-    err ? errorBox(err) : null,
     el("button", { type: "submit" }, "Sign in"));
   form.addEventListener("submit", (ev) => {
     ev.preventDefault();
@@ -270,42 +332,143 @@ function renderSignIn(main, err) {
 async function renderOverview(main) {
   const body = el("div", { class: "stack" });
   main.append(el("h1", {}, "Overview"), body);
+  const outline = await world();
   await poll(LIST_POLL_MS, async () => {
-    const [top, clusters, links] = await Promise.all([API.topSites(), API.clusters(), API.links()]);
-    body.replaceChildren(sitesCard(top.items), clustersCard(clusters.items), linksCard(links.items));
+    const [top, sites, clusters, links, use, jobs] = await Promise.all([API.topSites(), API.sites(), API.clusters(),
+      API.links(), API.topLinks(), isProvider() ? { items: [] } : API.jobs()]);
+    const running = jobs.items.filter((j) => ACTIVE.has((j.status || {}).phase) && (j.status || {}).placement);
+    body.replaceChildren(networkCard(outline, sites.items, top.items, use.items, running),
+      sitesCard(top.items), clustersCard(clusters.items, top.items), linksCard(links.items, use.items));
   });
+}
+
+const LINK_USE = [
+  [0, "idle", "no running job spans it"], [1, "one", "1 running job"], [2, "many", "2 or more running jobs"]];
+
+/** Sites at their latitude/longitude over the shipped land outline; links as lines whose width
+ * grows with bandwidth and whose colour says how many running jobs span them; the sites of the
+ * user's running jobs ringed. An equirectangular projection fitted to the sites (never tiles). */
+function networkCard(outline, sites, top, use, running) {
+  const placed = sites.filter((s) => s.spec && s.spec.location);
+  const unplaced = sites.filter((s) => !(s.spec && s.spec.location)).map((s) => s.metadata.name);
+  const byName = new Map(placed.map((s) => [s.metadata.name, s.spec.location]));
+  const usage = new Map(top.map((s) => [s.metadata.name, s]));
+  const mine = new Map();
+  for (const job of running) {
+    for (const p of job.status.placement) mine.set(p.site, [...(mine.get(p.site) || []), job.metadata.name]);
+  }
+  const lats = placed.map((s) => s.spec.location.lat);
+  const lons = placed.map((s) => s.spec.location.lon);
+  let [w, e, so, n] = placed.length ? [Math.min(...lons), Math.max(...lons), Math.min(...lats), Math.max(...lats)]
+    : [-170, 190, -58, 80];
+  const padLon = Math.max(12, (e - w) * 0.25);
+  const padLat = Math.max(8, (n - so) * 0.25);
+  [w, e, so, n] = [Math.max(-180, w - padLon), Math.min(180, e + padLon), Math.max(-80, so - padLat), Math.min(84, n + padLat)];
+  const k = Math.cos(((so + n) / 2) * (Math.PI / 180));
+  const W = 720;
+  const H = Math.max(220, Math.min(480, Math.round((W * (n - so)) / ((e - w) * k))));
+  const sx = W / ((e - w) * k);
+  const sy = H / (n - so);
+  const s = Math.min(sx, sy);
+  const ox = (W - (e - w) * k * s) / 2;
+  const oy = (H - (n - so) * s) / 2;
+  const x = (lon) => ox + (lon - w) * k * s;
+  const y = (lat) => oy + (n - lat) * s;
+  const land = outline.rings.map((r) => {
+    let d = "";
+    for (let i = 0; i < r.length; i += 2) d += `${i ? "L" : "M"}${x(r[i]).toFixed(1)} ${y(r[i + 1]).toFixed(1)}`;
+    return `${d}Z`;
+  }).join("");
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, class: "network-map", id: "network-map", role: "img",
+    "aria-labelledby": "network-map-title" });
+  const lines = svg("g", { class: "links" });
+  const used = new Map(use.map((l) => [l.metadata.name, l]));
+  const maxGbps = Math.max(1, ...use.map((l) => l.bandwidthGbps || 0));
+  let linkCount = 0;
+  for (const l of use) {
+    const a = byName.get(l.a);
+    const b = byName.get(l.b);
+    if (!a || !b) continue;
+    linkCount += 1;
+    const jobs = (used.get(l.metadata.name) || {}).jobs || 0;
+    const tone = LINK_USE[Math.min(2, jobs)][1];
+    const width = 1.5 + 6 * Math.sqrt((l.bandwidthGbps || 0) / maxGbps);
+    lines.append(svg("line", { x1: x(a.lon), y1: y(a.lat), x2: x(b.lon), y2: y(b.lat), class: `link ${tone}`,
+      "stroke-width": width.toFixed(1), "data-link": l.metadata.name },
+      svg("title", {}, `${l.metadata.name}: ${l.a} ↔ ${l.b}, ${fmt.num(l.bandwidthGbps, 1)} Gbit/s, `
+        + `${fmt.num(l.rttMs, 1)} ms RTT, ${jobs} running job${jobs === 1 ? "" : "s"}`)));
+  }
+  const dots = svg("g", { class: "sites" });
+  for (const site of placed) {
+    const name = site.metadata.name;
+    const { lat, lon } = site.spec.location;
+    const u = usage.get(name) || { leased: 0, capacity: 0 };
+    const jobsHere = mine.get(name) || [];
+    const r = 5 + Math.min(9, Math.sqrt(u.capacity || 0) * 1.5);
+    dots.append(svg("g", { class: `site${jobsHere.length ? " active" : ""}`, "data-site": name },
+      jobsHere.length ? svg("circle", { cx: x(lon), cy: y(lat), r: r + 5, class: "halo" }) : null,
+      svg("circle", { cx: x(lon), cy: y(lat), r, class: "dot" }),
+      svg("text", { x: x(lon) + r + 4, y: y(lat) + 4 }, name),
+      svg("title", {}, `${name}: ${u.leased}/${u.capacity} GPUs leased`
+        + (jobsHere.length ? `; your running job ${jobsHere.join(", ")}` : ""))));
+  }
+  root.append(svg("title", { id: "network-map-title" }, mapSummary(placed, linkCount, mine)),
+    svg("path", { d: land, class: "land" }), lines, dots);
+  const legend = el("ul", { class: "legend map-legend" },
+    ...LINK_USE.map(([, tone, text]) => el("li", { class: `key link-${tone}` }, `link: ${text}`)),
+    el("li", { class: "key width" }, `line width: bandwidth (widest ${fmt.num(maxGbps, 0)} Gbit/s)`),
+    el("li", { class: "key active" }, "ringed: a site of your running job"));
+  return section("Network", el("figure", { class: "map" }, root,
+    el("figcaption", {}, mapSummary(placed, linkCount, mine),
+      unplaced.length ? ` Not on the map (no location): ${unplaced.join(", ")}.` : "")), legend);
+}
+
+function mapSummary(placed, linkCount, mine) {
+  const active = [...mine.keys()];
+  return `${placed.length} site${placed.length === 1 ? "" : "s"} and ${linkCount} link${linkCount === 1 ? "" : "s"}`
+    + ` on a map of land outlines.${active.length ? ` Sites of your running jobs: ${active.join(", ")}.` : ""}`;
 }
 
 function sitesCard(items) {
   const rows = items.map((s) => {
     const pct = s.capacity ? (100 * s.leased) / s.capacity : 0;
-    return [el("strong", {}, s.metadata.name), s.region, s.provider, `${s.ready}/${s.clusters}`,
+    return [el("strong", { class: "name" }, s.metadata.name), s.region, s.provider, `${s.ready}/${s.clusters}`,
       el("div", { class: "util" }, bar(pct, `GPU utilisation of ${s.metadata.name}`),
-        el("span", {}, `${s.leased}/${s.capacity} GPUs · ${s.utilization}`)),
+        el("span", {}, `${s.leased}/${s.capacity} GPUs leased · ${s.utilization}`)),
       s.running];
   });
-  return section("Sites", table(["Site", "Region", "Provider", "Ready clusters", "GPU utilisation", "Running"],
-    rows, "No sites registered yet."));
+  return section("Sites", table(["Site", "Region", "Provider", "Ready clusters", "GPU utilisation", "Running sub-tasks"],
+    rows, "No sites registered yet.", "Sites"));
 }
 
-function clustersCard(items) {
+/** Free GPUs come from the same lease count as the sites' utilisation, so the two always agree. */
+function clustersCard(items, top) {
+  const free = new Map(top.flatMap((s) => (s.byCluster || []).map((c) => [c.name, c])));
   const rows = items.map((c) => {
     const st = c.status || {};
-    return [el("strong", {}, c.metadata.name), c.spec.site, badge(st.ready === "True" ? "Ready" : "NotReady"),
-      `${(st.allocatable || {}).gpus ?? 0}/${(st.capacity || {}).gpus ?? 0}`, st.gpuModel ?? "-",
-      st.price ?? "-", c.spec.driver ?? "-"];
+    const f = free.get(c.metadata.name);
+    const cap = (st.capacity || {}).gpus ?? 0;
+    return [el("strong", { class: "name" }, c.metadata.name), c.spec.site,
+      badge(st.ready === "True" ? "Ready" : "NotReady"),
+      `${f ? f.free : (st.allocatable || {}).gpus ?? 0}/${f ? f.capacity : cap}`, st.gpuModel ?? "-",
+      st.price ? `${st.price} ${st.currency || "USD"}` : "-", c.spec.driver ?? "-"];
   });
-  return section("Clusters", table(["Cluster", "Site", "Status", "Free GPUs", "GPU model", "Price / GPU-h",
-    "Driver"], rows, "No clusters registered yet."));
+  return section("Clusters", table(["Cluster", "Site", "Status", "Free GPUs", "GPU model", "Price per GPU-h",
+    "Driver"], rows, "No clusters registered yet.", "Clusters"));
 }
 
-function linksCard(items) {
-  const rows = items.map((l) => [l.metadata.name, `${l.spec.a} ↔ ${l.spec.b}`, fmt.num(l.spec.bandwidthGbps, 2),
-    fmt.num(l.spec.rttMs, 1), l.spec.pricePerGB]);
-  return section("WAN links", table(["Link", "Sites", "Gbps", "RTT ms", "Price / GB"], rows, "No links."));
+function linksCard(items, use) {
+  const jobs = new Map(use.map((l) => [l.metadata.name, l.jobs]));
+  const rows = items.map((l) => [l.metadata.name, `${l.spec.a} ↔ ${l.spec.b}`,
+    `${fmt.num(l.spec.bandwidthGbps, 2)} Gbit/s`, `${fmt.num(l.spec.rttMs, 1)} ms`, `${l.spec.pricePerGB} per GB`,
+    String(jobs.get(l.metadata.name) ?? 0)]);
+  return section("WAN links", table(["Link", "Sites", "Bandwidth", "RTT", "Price", "Running jobs"], rows, "No links.",
+    "WAN links"));
 }
 
 // ---------------------------------------------------------------- jobs list
+
+function created(job) { return Date.parse(job.metadata.creationTimestamp || "") || 0; }
 
 async function renderJobs(main) {
   if (isProvider()) return renderProviderWork(main);
@@ -313,9 +476,9 @@ async function renderJobs(main) {
   main.append(el("div", { class: "row" }, el("h1", {}, "Jobs"),
     el("a", { class: "button", href: "#/jobs/new" }, "New job")), section("Your training jobs", body));
   await poll(LIST_POLL_MS, async () => {
-    const jobs = (await API.jobs()).items;
-    body.replaceChildren(table(["Job", "Phase", "Progress", "Loss", "Cost", "Strategy", "Sites"], jobs.map(jobRow),
-      "No jobs yet. Start one with “New job”."));
+    const jobs = (await API.jobs()).items.sort((a, b) => created(b) - created(a));
+    body.replaceChildren(table(["Job", "Created", "Phase", "Progress", "Loss", "Cost", "Strategy", "Sites"],
+      jobs.map(jobRow), "No jobs yet. Start one with “New job”.", "Your training jobs"));
   });
 }
 
@@ -323,7 +486,8 @@ function jobRow(job) {
   const st = job.status || {};
   const prog = st.progress || {};
   const name = job.metadata.name;
-  return [el("a", { href: `#/jobs/${enc(name)}` }, name), badge(st.phase),
+  return [el("a", { href: `#/jobs/${enc(name)}`, class: "name" }, name), fmt.when(job.metadata.creationTimestamp),
+    badge(st.phase),
     el("div", { class: "util" }, bar(percentOf(st), `progress of ${name}`), el("span", {}, `${fmt.num(percentOf(st), 1)}%`)),
     fmt.loss(prog.loss), fmt.money(st.cost), st.strategy || job.spec.strategy, st.sites || "-"];
 }
@@ -334,22 +498,26 @@ async function renderProviderWork(main) {
   await poll(LIST_POLL_MS, async () => {
     const items = (await API.providerSubtasks()).items;
     body.replaceChildren(table(["Sub-task", "Job", "Cluster", "Site", "GPUs", "Phase", "Launches", "Message"],
-      items.map((t) => [t.metadata.name, t.spec.job, t.spec.cluster, t.spec.site, t.spec.gpus,
-        badge(t.status.phase), t.status.launches, t.status.message || ""]),
-      "No sub-tasks have run on your clusters yet."));
+      items.map((t) => [el("span", { class: "name" }, t.metadata.name), t.spec.job, t.spec.cluster, t.spec.site,
+        t.spec.gpus, badge(t.status.phase), t.status.launches, t.status.message || ""]),
+      "No sub-tasks have run on your clusters yet.", "Sub-tasks"));
   });
 }
 
 // ---------------------------------------------------------------- new job + quotes
 
+/** A labelled input with its hint and an error slot, both tied to it by aria-describedby. */
 function field(label, input, hint) {
   const id = input.id;
+  const ids = [hint ? `${id}-hint` : null, `${id}-error`].filter(Boolean).join(" ");
+  input.setAttribute("aria-describedby", ids);
   return el("div", { class: "field" }, el("label", { for: id }, label), input,
-    hint ? el("small", { class: "muted" }, hint) : null);
+    hint ? el("small", { class: "muted", id: `${id}-hint` }, hint) : null,
+    el("small", { class: "field-error", id: `${id}-error` }));
 }
 
 function numberInput(id, value, min) {
-  return el("input", { id, name: id, type: "number", value, min, step: 1, required: true });
+  return el("input", { id, name: id, type: "number", value, min, step: 1, required: true, inputmode: "numeric" });
 }
 
 function select(id, options, value) {
@@ -357,64 +525,94 @@ function select(id, options, value) {
 }
 
 function renderNewJob(main) {
-  const costWeight = el("input", { id: "objective", name: "objective", type: "range", min: 0, max: 100, value: 50 });
-  const weightText = el("output", { for: "objective" }, "cost 50% · time 50%");
+  const costWeight = el("input", { id: "objective", name: "objective", type: "range", min: 0, max: 100, value: 50,
+                                   "aria-valuetext": "cost 50%, time 50%" });
+  const weightText = el("output", { for: "objective", id: "objective-value" }, "cost 50% · time 50%");
   costWeight.addEventListener("input", () => {
     weightText.textContent = `cost ${costWeight.value}% · time ${100 - costWeight.value}%`;
+    costWeight.setAttribute("aria-valuetext", `cost ${costWeight.value}%, time ${100 - costWeight.value}%`);
   });
   const suggested = `job-${new Date().toISOString().slice(5, 19).replace(/[-:T]/g, "")}`;
-  const form = el("form", { id: "new-job", class: "card" },
+  const form = el("form", { id: "new-job", class: "card", novalidate: true },
     el("h2", {}, "Describe the training job"),
     el("div", { class: "grid" },
-      field("Name", el("input", { id: "name", name: "name", required: true, value: suggested,
+      field("Name", el("input", { id: "name", name: "name", required: true, value: suggested, autocomplete: "off",
                                    pattern: "[a-z0-9]([a-z0-9.\\-]*[a-z0-9])?", maxlength: 63 }),
             "lowercase letters, digits, '-' or '.'"),
-      field("Model", select("model", MODELS, "tiny")),
-      field("Tokens", numberInput("tokens", 900000, 1)),
+      field("Model", select("model", MODELS, "tiny"), "presets the runtime cannot train are priced for reference only"),
+      field("Tokens", numberInput("tokens", 900000, 1), "training budget"),
       field("Global batch (tokens)", numberInput("batch", 3072, 1)),
       field("Strategy", select("strategy", STRATEGIES, "auto"), "auto lets the planner choose"),
       field("GPUs min", numberInput("gpus-min", 1, 1)),
       field("GPUs max", numberInput("gpus-max", 3, 1)),
       field("Sites min", numberInput("sites-min", 1, 1)),
       field("Sites max", numberInput("sites-max", 3, 1)),
-      el("div", { class: "field" }, el("label", { for: "objective" }, "Objective"), costWeight, weightText)),
+      field("Objective", costWeight, "left: fastest · right: cheapest")),
+    el("p", { class: "objective-text", "aria-hidden": "true" }, weightText),
     el("div", { class: "row end" }, el("a", { href: "#/jobs", class: "button ghost" }, "Back"),
       el("button", { type: "submit" }, "Get quotes")));
-  const out = el("div", { "aria-live": "polite" });
-  main.append(el("h1", {}, "New job"), form, out);
+  const status = el("p", { class: "muted", role: "status", id: "quote-status" });
+  const out = el("div", { id: "quotes-out" });
+  main.append(el("h1", {}, "New job"), form, status, out);
+  let shown = null;  // the manifest the quotes on screen were priced for
+  form.addEventListener("input", () => {
+    if (shown && JSON.stringify(manifestFrom(form)) !== JSON.stringify(shown)) {
+      out.classList.add("stale");
+      for (const b of out.querySelectorAll("button.accept")) b.disabled = true;
+      status.textContent = "The form changed since these quotes: Get quotes again to price it.";
+    }
+  });
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     const button = form.querySelector("button[type=submit]");
     button.disabled = true;
     markInvalid(form, null);
-    out.replaceChildren(el("p", { class: "muted" }, "Submitting and pricing…"));
+    status.textContent = "Pricing…";
+    const manifest = manifestFrom(form);
     try {
-      const job = await API.submit(manifestFrom(form));
-      const name = job.metadata.name;
-      const quotes = (await API.quotes(name)).items;
-      out.replaceChildren(quotesCard(name, quotes, job.status && job.status.message));
+      const preview = await API.preview(manifest);
+      shown = manifest;
+      const quotes = preview.status.quotes || [];
+      out.classList.remove("stale");
+      out.replaceChildren(quotesCard(manifest.metadata.name, quotes, status, {
+        manifest, draft: preview.status.draft }));
+      status.textContent = quoteSummary(quotes, preview.status.draft);
     } catch (err) {
+      shown = null;
       out.replaceChildren(errorBox(err));
-      markInvalid(form, err.field);
+      status.textContent = "";
+      markInvalid(form, err);
     } finally {
       button.disabled = false;
     }
   });
 }
 
+function quoteSummary(quotes, draft) {
+  if (!quotes.length) return "No placement fits this job right now.";
+  const cheapest = quotes.reduce((a, b) => (Number(a.price.total) <= Number(b.price.total) ? a : b));
+  return `${quotes.length} quotes, from ${fmt.money(cheapest.price)}; nothing is created until you accept one`
+    + `${draft ? " (your draft of this name gets the new spec)" : ""}.`;
+}
+
 const FORM_FIELDS = {
   "metadata.name": "name", "spec.model": "model", "spec.tokens": "tokens", "spec.globalBatchTokens": "batch",
-  "spec.strategy": "strategy", "spec.gpus.min": "gpus-min", "spec.gpus.max": "gpus-max",
-  "spec.sites.min": "sites-min", "spec.sites.max": "sites-max", "spec.objective": "objective",
+  "spec.strategy": "strategy", "spec.gpus.min": "gpus-min", "spec.gpus.max": "gpus-max", "spec.gpus": "gpus-min",
+  "spec.sites.min": "sites-min", "spec.sites.max": "sites-max", "spec.sites": "sites-min",
+  "spec.objective": "objective",
 };
 
-/** Point at the input the server blamed: the error's `field` is a manifest path. */
-function markInvalid(form, path) {
+/** Put the server's complaint next to the input it is about (the error's `field` is a manifest path). */
+function markInvalid(form, err) {
   for (const input of form.querySelectorAll("[aria-invalid]")) input.removeAttribute("aria-invalid");
-  const key = Object.keys(FORM_FIELDS).find((f) => path === f || (path || "").startsWith(`${f}.`));
+  for (const slot of form.querySelectorAll(".field-error")) slot.textContent = "";
+  const path = err && err.field;
+  const key = Object.keys(FORM_FIELDS).sort((a, b) => b.length - a.length)
+    .find((f) => path === f || (path || "").startsWith(`${f}.`));
   const input = key && form.querySelector(`#${FORM_FIELDS[key]}`);
   if (!input) return;
   input.setAttribute("aria-invalid", "true");
+  form.querySelector(`#${input.id}-error`).textContent = plainMessage(err);
   input.focus();
 }
 
@@ -430,48 +628,125 @@ function manifestFrom(form) {
   };
 }
 
-function quotesCard(name, quotes, note) {
-  const status = el("div", { "aria-live": "polite" });
+/** The three quotes side by side. `pending` (a dry run's quotes) holds the manifest: accepting one
+ * creates the job (or gives the user's draft of that name the new spec) and then accepts the same
+ * offer; without it the quotes are a stored job's and are accepted directly. */
+function quotesCard(name, quotes, status, pending = null) {
   const grid = el("div", { class: "quotes" });
-  const show = (items) => grid.replaceChildren(...items.map((q) => quoteCard(name, q, status, show)));
-  show(quotes);
-  return section(`Quotes for ${name}`, note ? el("p", { class: "muted" }, note) : null,
-    quotes.length ? grid : el("p", { class: "muted" }, "No placement fits this job right now."), status);
+  const note = el("p", { class: "muted" });
+  const show = (items, stored) => {
+    grid.replaceChildren(...items.map((q) => quoteCard(name, q, status, stored ? null : pending, show)));
+    note.textContent = stored ? "Saved as a draft; accept one of its quotes below." : "";
+  };
+  show(quotes, !pending);
+  const card = section(`Quotes for ${name}`, note,
+    quotes.length ? grid : el("p", { class: "muted" }, "No placement fits this job right now."));
+  card.classList.add("quotes-card");
+  const route = session.route;
+  const tick = () => {  // a quote that expires while it is on screen says so before it is clicked
+    if (route !== session.route || !card.isConnected) return;
+    for (const art of grid.querySelectorAll("article.quote[data-expires]")) {
+      if (Date.parse(art.dataset.expires) <= Date.now() && !art.classList.contains("expired")) markExpired(art);
+    }
+    setTimeout(tick, 1000);
+  };
+  setTimeout(tick, 1000);
+  return card;
 }
 
-function quoteCard(name, q, status, show) {
-  const accept = el("button", { type: "button", "aria-label": `Accept the ${q.label} quote` }, `Accept ${q.label}`);
+function markExpired(art) {
+  art.classList.add("expired");
+  const button = art.querySelector("button.accept");
+  if (button) button.disabled = true;
+  art.querySelector("h3").append(" ", badge("Expired"));
+  art.append(el("p", { class: "muted" }, "This quote has expired: get quotes again."));
+}
+
+async function acceptQuote(name, q, status, pending, show) {
+  if (q.confirm && !confirm(`The ${q.label} quote costs ${fmt.money(q.price)}, `
+      + `${fmt.num(q.timesCheapest, 1)}× the cheapest quote. Accept it?`)) {
+    status.textContent = `Not accepted: ${q.label} stays on offer.`;
+    return;
+  }
+  status.textContent = `Accepting ${q.label}…`;
+  let id = q.id;
+  if (pending) {
+    if (pending.draft) await API.replace(name, pending.manifest);
+    else await API.submit(pending.manifest);
+    const stored = (await API.quotes(name)).items;
+    const same = stored.find((s) => s.label === q.label);
+    if (!same || same.price.total !== q.price.total || JSON.stringify(same.placement) !== JSON.stringify(q.placement)) {
+      status.textContent = "Capacity changed while you decided: here are the job's own quotes.";
+      show(stored, true);
+      return;
+    }
+    id = same.id;
+  }
+  await API.accept(name, id);
+  location.hash = `#/jobs/${enc(name)}`;
+}
+
+function quoteCard(name, q, status, pending, show) {
+  const expired = q.state === "expired";
+  const blocked = q.pricingOnly || expired || (q.state && q.state !== "open" && !q.chosen);
+  const accept = el("button", { type: "button", class: "accept", disabled: blocked ? true : null },
+    `Accept ${q.label}`);
   accept.addEventListener("click", async () => {
     accept.disabled = true;
-    status.replaceChildren(el("p", { class: "muted" }, `Accepting ${q.label}…`));
     try {
-      await API.accept(name, q.id);
-      location.hash = `#/jobs/${enc(name)}`;
+      await acceptQuote(name, q, status, pending, show);
     } catch (err) {
       const fresh = err.details && err.details.freshQuotes;
-      status.replaceChildren(errorBox(err));
+      status.textContent = plainMessage(err);
+      const form = document.getElementById("new-job");
+      if (form && err.field) markInvalid(form, err);
       if (err.status === 409 && fresh && fresh.length) {
-        status.append(el("p", {}, "Prices changed; here are fresh quotes."));
-        show(fresh);
-      } else {
-        accept.disabled = false;
+        status.textContent = `${plainMessage(err)} Prices changed; here are fresh quotes.`;
+        show(views(fresh), true);
       }
+    } finally {
+      if (accept.isConnected && !blocked) accept.disabled = false;
     }
   });
+  const currency = (q.price && q.price.currency) || "";
   const lines = (q.price && q.price.lines) || [];
-  return el("article", { class: `quote${q.chosen ? " chosen" : ""}`, "data-label": q.label },
-    el("h3", {}, q.label),
+  const differs = q.sameAs ? `Same as ${q.sameAs}`
+    : q.timesCheapest && q.timesCheapest > 1.005 ? `${fmt.num(q.timesCheapest, 1)}× the cheapest price` : "Lowest price";
+  const art = el("article", { class: `quote${q.recommended ? " recommended" : ""}${expired ? " expired" : ""}`,
+                              "data-label": q.label, "data-expires": q.expiresAt || null,
+                              "aria-labelledby": `quote-${q.label}` },
+    el("h3", { id: `quote-${q.label}` }, q.label, q.recommended ? " " : null,
+      q.recommended ? badge("Recommended") : null, expired ? " " : null, expired ? badge("Expired") : null),
     el("p", { class: "price" }, fmt.money(q.price)),
+    el("p", { class: "differs" }, differs),
     el("dl", {},
-      el("dt", {}, "Predicted time"), el("dd", {}, fmt.duration(q.predictedSeconds)),
+      el("dt", {}, "Predicted time"), el("dd", {}, q.predictedDuration || fmt.duration(q.predictedSeconds)),
+      el("dt", {}, "GPUs"), el("dd", {}, String(q.gpus ?? (q.placement || []).reduce((a, p) => a + p.gpus, 0))),
       el("dt", {}, "Strategy"), el("dd", {}, q.strategy),
       el("dt", {}, "Placement"), el("dd", {}, fmt.placement(q.placement)),
       el("dt", {}, "WAN traffic"), el("dd", {}, `${fmt.num(q.wanGB, 3)} GB`),
       el("dt", {}, "Expires"), el("dd", {}, fmt.time(q.expiresAt))),
+    q.trains && q.trains.note ? el("p", { class: "muted" }, q.trains.note) : null,
+    q.pricingOnly ? el("p", { class: "warn-text" }, `Priced for reference only: ${q.pricingOnly}`) : null,
+    expired ? el("p", { class: "muted" }, "This quote has expired: get quotes again.") : null,
     el("details", {}, el("summary", {}, `${lines.length} price line${lines.length === 1 ? "" : "s"}`),
-      table(["Provider", "Cluster", "Item", "Qty", "Amount"],
-        lines.map((l) => [l.provider, l.cluster, l.item, l.quantity, l.amount]), "No lines.")),
+      el("ul", { class: "lines" }, lines.map((l) => el("li", {},
+        el("span", { class: "line-what" }, `${l.item} on ${l.cluster} (${l.provider})`),
+        el("span", { class: "line-sum" }, fmt.line(l, currency)))))),
     accept);
+  return art;
+}
+
+/** Quotes that came back raw (a 409's fresh quotes) get the same reading aids as the API's views. */
+function views(items) {
+  const cheapest = Math.min(...items.map((q) => Number(q.price.total)));
+  return items.map((q, i) => {
+    const same = items.slice(0, i).find((o) => o.strategy === q.strategy && o.price.total === q.price.total
+      && JSON.stringify(o.placement) === JSON.stringify(q.placement));
+    return { ...q, sameAs: same ? same.label : null, recommended: q.label === "balanced",
+      timesCheapest: cheapest > 0 ? Number(q.price.total) / cheapest : 1,
+      confirm: cheapest > 0 && Number(q.price.total) / cheapest >= 10 };
+  });
 }
 
 // ---------------------------------------------------------------- job detail
@@ -480,13 +755,13 @@ async function renderJob(main, name) {
   const phase = el("span", { id: "phase", "aria-live": "polite" });
   const cancel = el("button", { type: "button", class: "danger", hidden: true }, "Cancel job");
   const parts = {
-    summary: el("div", { class: "stats" }), progress: el("div"), quotes: el("div"),
+    failure: el("div"), summary: el("div", { class: "stats" }), progress: el("div"), quotes: el("div"),
     chart: el("div", { class: "chart" }), speed: el("div", { class: "chart" }),
     subtasks: el("div"), events: el("div"),
   };
   main.append(
-    el("div", { class: "row" }, el("h1", {}, `Job ${name} `, phase), cancel),
-    parts.summary, parts.quotes,
+    el("div", { class: "row" }, el("h1", {}, el("span", { class: "name" }, `Job ${name}`), " ", phase), cancel),
+    parts.failure, parts.summary, parts.quotes,
     section("Progress", parts.progress),
     el("div", { class: "two" }, section("Loss vs tokens", parts.chart), section("Throughput (tokens/s)", parts.speed)),
     section("Sub-tasks per site", parts.subtasks), section("Events", parts.events));
@@ -506,21 +781,47 @@ async function renderJob(main, name) {
     const st = job.status || {};
     if (phase.textContent !== st.phase) phase.replaceChildren(badge(st.phase));
     cancel.hidden = TERMINAL.has(st.phase);
+    parts.failure.replaceChildren(st.phase === "Failed" ? failureBox(st, events.items) : "");
     parts.summary.replaceChildren(...summaryStats(job));
     parts.progress.replaceChildren(progressView(st));
     if (st.phase === "Quoted" && !quotesShown) {
       quotesShown = true;
-      parts.quotes.replaceChildren(quotesCard(name, (await API.quotes(name)).items, st.message));
+      const status = el("p", { class: "muted", role: "status" });
+      parts.quotes.replaceChildren(quotesCard(name, (await API.quotes(name)).items, status), status);
     } else if (st.phase !== "Quoted") {
       parts.quotes.replaceChildren();
     }
     const series = lossSeries(metrics.items);
-    parts.chart.replaceChildren(lossChart(series));
+    parts.chart.replaceChildren(lossChart(series, waitingText(st)));
     parts.speed.replaceChildren(sparkline(series.speed), runFacts(metrics.items));
     parts.subtasks.replaceChildren(subtaskTable(subtasks.items, st.placement));
     parts.events.replaceChildren(eventTable(events.items));
     return !TERMINAL.has(st.phase);
   });
+}
+
+/** Why a job failed, in one box at the top: its last condition or message, and the failing event. */
+function failureBox(st, events) {
+  const cond = (st.conditions || []).filter((c) => c.status === "True" || c.type === "Failed").at(-1) || {};
+  const event = events.filter((e) => e.reason === "Failed" || e.type === "Warning").at(-1);
+  const reason = st.message || cond.message || (event && event.message) || "no reason recorded";
+  return el("div", { class: "error", role: "alert", id: "failure" },
+    el("strong", {}, "This job failed"), el("div", {}, reason),
+    cond.reason ? el("div", { class: "muted" }, `Reason: ${cond.reason}`) : null);
+}
+
+/** What the empty loss chart says, by phase: only a run that can report is waiting for metrics. */
+function waitingText(st) {
+  return {
+    Quoted: "no run yet: accept a quote to start it",
+    Accepted: "reserved: the run starts when its sites launch it",
+    Reserved: "reserved: the run starts when its sites launch it",
+    Launching: "waiting for the workers' first metrics…",
+    Running: "waiting for the workers' first metrics…",
+    Cancelled: "cancelled before any metrics were reported",
+    Failed: "failed before any metrics were reported",
+    Succeeded: "no metrics were reported",
+  }[st.phase] || "no metrics yet";
 }
 
 function stat(label, value, extra = "") {
@@ -588,7 +889,7 @@ function ticks(lo, hi, count) {
   return out;
 }
 
-function lossChart(series) {
+function lossChart(series, waiting = "waiting for the workers' first metrics…") {
   const W = 640, H = 300, L = 52, R = 16, T = 16, B = 40;
   const all = [...series.train, ...series.val];
   const xMax = Math.max(...all.map((p) => p[0]), 1);
@@ -622,7 +923,7 @@ function lossChart(series) {
     ...series.val.map(([a, b]) => svg("circle", { cx: x(a), cy: y(b), r: 2.5, class: "dot val" })));
   if (!all.length) {
     root.append(svg("text", { x: (L + W - R) / 2, y: (T + H - B) / 2, "text-anchor": "middle", class: "title" },
-      "waiting for the workers' first metrics…"));
+      waiting));
   }
   const legend = el("div", { class: "legend" },
     el("span", { class: "key train" }, `train loss ${fmt.loss(series.train.at(-1)?.[1])}`),
@@ -660,18 +961,19 @@ function runFacts(items) {
     el("dt", {}, "WAN traffic"), el("dd", {}, fmt.bytes(total)));
 }
 
+
 function subtaskTable(items, placement) {
   const gpuModel = new Map((placement || []).map((p) => [p.cluster, p.gpuModel]));
   return table(["Site", "Cluster", "GPUs", "Attempt", "Phase", "Launches", "Message"],
     items.map((t) => [el("strong", {}, t.site), t.cluster, `${t.gpus}× ${gpuModel.get(t.cluster) || ""}`.trim(),
       t.attempt, badge(t.phase), t.launches, t.message || ""]),
-    "No sub-tasks yet: they start once a quote is accepted.");
+    "No sub-tasks yet: they start once a quote is accepted.", "Sub-tasks per site");
 }
 
 function eventTable(items) {
   const recent = items.slice(-50).reverse();
   return table(["Time", "Type", "Reason", "Message"],
-    recent.map((e) => [fmt.time(e.at), badge(e.type), e.reason, e.message]), "No events.");
+    recent.map((e) => [fmt.time(e.at), badge(e.type), e.reason, e.message]), "No events.", "Events");
 }
 
 // ---------------------------------------------------------------- invoices / payouts
@@ -689,12 +991,16 @@ async function renderBilling(main) {
     const grand = items.reduce((sum, inv) => sum + Number(inv.status.total || 0), 0);
     body.replaceChildren(
       el("p", { class: "total" }, `${provider ? "Earned" : "Billed"} in total: ${grand.toFixed(2)} ${items[0].spec.currency || ""}`),
-      ...items.map((inv) => section(`${inv.spec.job} — ${Number(inv.status.total).toFixed(2)} ${inv.spec.currency || ""}`,
-        el("p", { class: "muted" }, provider ? null : el("a", { href: `#/jobs/${enc(inv.spec.job)}` }, "Open job"),
-          ` contract ${inv.spec.contract || "-"}`),
-        table(["Provider", "Cluster", "Item", "Quantity", "Unit price", "Amount"],
-          inv.status.lines.map((l) => [l.provider, l.cluster, l.item, l.quantity, l.unitPrice, l.amount]),
-          "No lines."))));
+      ...items.map((inv) => {
+        const cur = inv.spec.currency || "";
+        return section(`${inv.spec.job} — ${Number(inv.status.total).toFixed(2)} ${cur}`,
+          el("p", { class: "muted" }, provider ? null : el("a", { href: `#/jobs/${enc(inv.spec.job)}` }, `Open job ${inv.spec.job}`),
+            ` contract ${inv.spec.contract || "-"}`),
+          table(["Provider", "Cluster", "Item", "Quantity", "Unit price", "Amount"],
+            inv.status.lines.map((l) => [l.provider, l.cluster, l.item, `${l.quantity} ${UNITS[l.item] || ""}`.trim(),
+              `${l.unitPrice} ${cur}/${UNITS[l.item] || "unit"}`, `${Number(l.amount).toFixed(2)} ${cur}`]),
+            "No lines.", `Lines of ${inv.spec.job}`));
+      }));
   });
 }
 

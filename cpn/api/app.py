@@ -61,4 +61,16 @@ async def _dispose(app: web.Application) -> None:
 
 def serve(settings: Settings) -> None:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(create_app(settings), host=settings.host, port=settings.port, print=None)
+    app = create_app(settings)
+
+    async def announce(_: web.Application) -> None:
+        from sqlalchemy.engine import make_url
+
+        database = make_url(settings.effective_database_url).render_as_string(hide_password=True)
+        logging.getLogger("cpn.api").info("CPN API serving on http://%s:%s (portal at /, database %s)",
+                                             settings.host, settings.port, database)
+
+    app.on_startup.append(announce)
+    # long request lines (label selectors, continue tokens) get a JSON 4xx from CPN, not aiohttp's text 400
+    web.run_app(app, host=settings.host, port=settings.port, print=None,
+                max_line_size=65536, max_field_size=16384)  # aiohttp ≥ 3.14 takes the handler's limits directly

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any, TypeVar
 
-import yaml
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from cpn.core import errors
+from cpn.core.manifest import ManifestSyntaxError, load_yaml
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -25,13 +25,40 @@ async def read_raw(request: web.Request) -> Any:
         raise errors.MalformedBody("request body is empty; send a JSON object")
     if "yaml" in (request.content_type or ""):
         try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise errors.MalformedBody(f"malformed YAML: {str(exc).splitlines()[0]}") from exc
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise errors.MalformedBody(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+            body = load_yaml(text)
+        except ManifestSyntaxError as exc:
+            raise errors.MalformedBody(str(exc)) from exc
+    else:
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise errors.MalformedBody(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+    if "\\" in text or "\x00" in text:  # JSON and YAML write a NUL as an escape (\u0000, \0, \x00 …)
+        where = _nul_at(body, "")
+        if where is not None:
+            raise errors.InvalidInput("contains a NUL character (\\u0000), which no CPN field takes",
+                                      field=where or "body")
+    return body
+
+
+def _nul_at(value: Any, path: str) -> str | None:
+    """The user's path of the first key or string holding a NUL character (PostgreSQL refuses it)."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{path}.{key}" if path else str(key)
+            if "\x00" in str(key):
+                return here.replace("\x00", "\\u0000")
+            found = _nul_at(item, here)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _nul_at(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 async def read_model(request: web.Request, model: type[M]) -> M:

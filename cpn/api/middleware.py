@@ -34,6 +34,7 @@ def _public(request: web.Request) -> bool:
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request["request_id"] = request.headers.get("X-Request-Id") or str(uuid.uuid4())
     try:
+        _refuse_nul(request)
         response = await handler(request)
     except errors.CPNError as exc:
         response = json_response(exc.to_body(), status=exc.status)
@@ -45,6 +46,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             raise
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
         response = json_response({"error": {"code": code, "message": exc.reason, "field": None}}, exc.status)
+        if "Allow" in exc.headers:  # RFC 9110: a 405 says which methods the path takes
+            response.headers["Allow"] = exc.headers["Allow"]
     except Exception:  # noqa: BLE001 - the boundary: nothing unexpected reaches a user as a traceback
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = json_response({"error": {"code": "internal", "field": None,
@@ -52,6 +55,17 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
                                  status=500)
     response.headers["X-Request-Id"] = request["request_id"]
     return response
+
+
+def _refuse_nul(request: web.Request) -> None:
+    """A NUL byte is never part of a name or a value CPN keeps (and PostgreSQL refuses it in text):
+    refuse it in the path or the query here, as bad input, before it reaches a handler or the database."""
+    if "\x00" in request.path:
+        raise errors.InvalidInput("the request path contains a NUL byte (%00)", field="path")
+    for key, value in request.query.items():
+        if "\x00" in key or "\x00" in value:
+            name = key.replace("\x00", "")
+            raise errors.InvalidInput(f"query parameter {name!r} contains a NUL byte (%00)", field=name or "query")
 
 
 class RateLimiter:
@@ -84,12 +98,20 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     db = request.app[state.DB]
     async with db.session() as session:
         principal = await tokens.authenticate(session, header)
-    if principal.role is Role.WORKER and request.path != f"/api/v1/jobs/{principal.job}/metrics":
-        raise errors.Forbidden("a worker token may only report metrics for its own job")
+    if principal.role is Role.WORKER and not _worker_may(request, principal.job or ""):
+        raise errors.Forbidden("a worker token may only report metrics and checkpoints for its own job")
     if principal.role is not Role.WORKER and not request.app[RATE].allow(principal.token_id or principal.account_id):
         raise errors.RateLimited("too many requests for this token; slow down and retry")
     request[PRINCIPAL] = principal
     return await handler(request)
+
+
+def _worker_may(request: web.Request, job: str) -> bool:
+    """Workers report metrics and read/write checkpoints of their own job; nothing else."""
+    own = f"/api/v1/jobs/{job}/"
+    return (request.path == f"{own}metrics" or request.path.startswith(f"{own}checkpoints/")
+            or (request.path == f"{own}final" and request.method == "PUT")
+            or (request.path.startswith("/api/v1/bundles/") and request.method == "GET"))  # its job's, checked there
 
 
 @web.middleware

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +10,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 import cpn
+from cpn.core import errors
+from cpn.core.store import parse_selector
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,14 @@ class RouteDoc:
     params: tuple[str, ...] = ()
     query: tuple[str, ...] = field(default_factory=tuple)
     auth: bool = True
+    created: bool = False  # POST that creates: 201 (200 when an Idempotency-Key replays it)
+
+
+PATH: dict[str, dict[str, Any]] = {"name": {"type": "string", "minLength": 1, "maxLength": 253,
+                                            "pattern": "^[^\\x00/]+$"},
+                                   "uid": {"type": "string", "minLength": 1, "maxLength": 64,
+                                           "pattern": "^[^\\x00/]+$"},
+                                   "sha256": {"type": "string", "pattern": "^(sha256:)?[0-9a-f]{64}$"}}
 
 
 ERROR_SCHEMA = {
@@ -30,19 +41,129 @@ ERROR_SCHEMA = {
     "required": ["error"],
     "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
         "code": {"type": "string"}, "message": {"type": "string"},
-        "field": {"type": ["string", "null"]}, "details": {"type": "object"}}}},
+        "field": {"type": ["string", "null"]},
+        "details": {"description": "A validation error: every bad field as {field, message}; other errors: "
+                                   "a mapping of specifics.",
+                    "anyOf": [{"type": "object"},
+                              {"type": "array", "items": {"type": "object", "required": ["field", "message"],
+                                                          "properties": {"field": {"type": "string"},
+                                                                         "message": {"type": "string"}}}}]}}}},
 }
+
+# Query parameters by name: the published schema is the check the server makes (validate_query), so the
+# document and the server cannot disagree. A parameter not listed here is a free string without NUL.
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$"
+_NAME = {"type": "string", "pattern": NAME_PATTERN, "maxLength": 63}
+_FLAG = {"type": "string", "enum": ["true", "false", "1", "0"]}
+_LABEL_KEY = r"(?:[a-z0-9.-]{1,253}/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
+_SELECTOR_TERM = (rf" *(?:{_LABEL_KEY} *(?:==|=|!=) *{_LABEL_VALUE}|{_LABEL_KEY} +(?:in|notin) +"
+                  rf"\( *{_LABEL_VALUE}(?: *, *{_LABEL_VALUE})* *\)|!{_LABEL_KEY}|{_LABEL_KEY}) *")
+SELECTOR_PATTERN = rf"^(?:{_SELECTOR_TERM}(?:,{_SELECTOR_TERM})*)?$"
+QUERY: dict[str, dict[str, Any]] = {
+    "limit": {"type": "integer", "minimum": 1, "maximum": 100_000,
+              "description": "At most this many items; `continue` from the response fetches the next page."},
+    "continue": {"type": "string", "pattern": r"^[A-Za-z0-9_-]*={0,2}$", "maxLength": 256,
+                 "description": "The `metadata.continue` of the previous page (opaque)."},
+    "labelSelector": {"type": "string", "pattern": SELECTOR_PATTERN, "maxLength": 1024,
+                      "description": "Kubernetes label selector: a=b, a!=b, a in (x,y), a notin (x), a, !a"},
+    "dryRun": {"type": "string", "pattern": "^(?:[tT][rR][uU][eE]|[fF][aA][lL][sS][eE]|[aA][lL][lL]|1|0|)$",
+               "description": "true (or All): check and price, create nothing"},
+    "job": {**_NAME, "description": "Only this job's items"},
+    "cluster": {**_NAME, "description": "Only this cluster's items"},
+    "site": {**_NAME, "description": "Only this site's items"},
+    "watch": {**_FLAG, "description": "Long-poll until the cluster's sub-tasks change (needs cluster)"},
+    "active": _FLAG,
+    "follow": {**_FLAG, "description": "Stream while the job runs"},
+    "resourceVersion": {"type": "string", "pattern": r"^[A-Za-z0-9:._-]*$", "maxLength": 128},
+    "timeoutSeconds": {"type": "integer", "minimum": 0, "maximum": 30},
+    "rank": {"type": "integer", "minimum": 0, "maximum": 10**9},
+    "attempt": {"type": "integer", "minimum": 1, "maximum": 10**9},
+    "tail": {"type": "integer", "minimum": 0, "maximum": 100_000},
+}
+FREE_TEXT = {"type": "string", "pattern": "^[^\\x00]*$", "maxLength": 512}
+NO_NUL = "^[^\\x00]*$"
+# Any JSON value without a NUL character in a key or a string: what a free-form object may hold
+JSON_VALUE = {"anyOf": [{"type": "string", "pattern": NO_NUL}, {"type": ["number", "boolean", "null"]},
+                        {"type": "array", "items": {"$ref": "#/components/schemas/JsonValue"}},
+                        {"type": "object", "propertyNames": {"pattern": NO_NUL},
+                         "additionalProperties": {"$ref": "#/components/schemas/JsonValue"}}]}
+STATUS_SCHEMA = {"type": "object", "required": ["kind", "status"], "properties": {
+    "kind": {"const": "Status"}, "status": {"type": "string"}, "details": {"type": "object"}}}
+
+
+def _no_nul(node: Any, request_side: bool = True) -> Any:
+    """Every string the server stores refuses NUL (PostgreSQL cannot hold it); say so in the schema:
+    free strings get a no-NUL pattern, free-form objects no-NUL keys and values."""
+    if isinstance(node, list):
+        return [_no_nul(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (_no_nul(v) if k not in ("enum", "const", "default", "examples", "required") else v)
+           for k, v in node.items()}
+    if out.get("type") == "string" and "pattern" not in out and "enum" not in out and "const" not in out \
+            and out.get("format") != "date-time":
+        out["pattern"] = NO_NUL
+    if out.get("type") == "object" and "properties" not in out:
+        out.setdefault("propertyNames", {"pattern": NO_NUL})
+        if out.get("additionalProperties", True) is True:
+            out["additionalProperties"] = {"$ref": "#/components/schemas/JsonValue"}
+    if out.get("type") == "array" and out.get("items", True) in (True, {}):
+        out["items"] = {"$ref": "#/components/schemas/JsonValue"}
+    return out
+
+
+def query_schema(name: str) -> dict[str, Any]:
+    return QUERY.get(name, FREE_TEXT)
+
+
+def _refuse(name: str, schema: dict[str, Any], raw: str) -> errors.InvalidInput:
+    shown = raw if len(raw) <= 40 else raw[:37] + "..."
+    if schema.get("type") == "integer":
+        what = f"a whole number from {schema['minimum']} to {schema['maximum']}"
+    elif "enum" in schema:
+        what = "one of " + ", ".join(schema["enum"])
+    elif schema is QUERY.get("labelSelector"):
+        try:  # the parser's own words say what is wrong (e.g. values not in parentheses)
+            parse_selector(raw)
+        except errors.InvalidInput as exc:
+            return exc
+        what = "a label selector such as a=b,c!=d,e in (x,y),f,!g"
+    elif schema.get("pattern") == NAME_PATTERN:
+        what = "a name: 1-63 lowercase letters, digits, '-' or '.', starting and ending with a letter or digit"
+    elif name == "dryRun":
+        what = "true or false"
+    else:
+        what = f"text of at most {schema.get('maxLength')} characters matching {schema.get('pattern')}"
+    return errors.InvalidInput(f"query parameter {name} must be {what}, got {shown!r}", field=name)
+
+
+def validate_query(doc: RouteDoc, query: Any) -> None:
+    """Refuse a declared query parameter that breaks its published schema (422 naming it)."""
+    for name in doc.query:
+        for raw in query.getall(name, []):
+            schema = query_schema(name)
+            if schema.get("type") == "integer":
+                ok = bool(re.fullmatch(r"-?[0-9]{1,12}", raw)) and schema["minimum"] <= int(raw) <= schema["maximum"]
+            else:
+                ok = (len(raw) <= schema.get("maxLength", 1 << 30)
+                      and ("enum" not in schema or raw in schema["enum"])
+                      and ("pattern" not in schema or re.search(schema["pattern"], raw) is not None))
+            if not ok:
+                raise _refuse(name, schema, raw)
 
 
 def build(docs: list[RouteDoc]) -> dict[str, Any]:
     models = {m for d in docs for m in (d.request, d.response) if m is not None}
     pairs = [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)]
     _, defs = models_json_schema(pairs, by_alias=True, ref_template="#/components/schemas/{model}")
-    schemas = dict(defs.get("$defs", {}))
+    schemas = {name: _no_nul(schema) for name, schema in defs.get("$defs", {}).items()}
     schemas["Error"] = ERROR_SCHEMA
+    schemas["JsonValue"] = JSON_VALUE
+    schemas["Status"] = STATUS_SCHEMA
     paths: dict[str, Any] = {}
     for doc in docs:
-        paths.setdefault(doc.path, {})[doc.method.lower()] = _operation(doc)
+        paths.setdefault(doc.path, {})[doc.method.lower()] = _operation(doc, _links(doc, docs))
     return {
         "openapi": "3.1.0",
         "info": {"title": "CPN API", "version": cpn.__version__,
@@ -57,20 +178,43 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def _operation(doc: RouteDoc) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": doc.summary, "tags": [doc.tag],
-                          "operationId": f"{doc.method.lower()}_{doc.path}".replace("/", "_").replace("{", "")
-                          .replace("}", "").replace("-", "_")}
-    params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in doc.params]
-    params += [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}} for q in doc.query]
+def _operation_id(doc: RouteDoc) -> str:
+    return f"{doc.method.lower()}_{doc.path}".replace("/", "_").replace("{", "").replace("}", "").replace("-", "_")
+
+
+def _links(doc: RouteDoc, docs: list[RouteDoc]) -> dict[str, Any]:
+    """From a create to every operation on the created object (read, replace, patch, delete, and the
+    kind's own: quotes, accept, cancel …), so a client (and a stateful fuzzer) can chain them."""
+    if not doc.created:
+        return {}
+    item = f"{doc.path}/{{name}}"
+    return {f"{d.method.title()}{d.path[len(item):].replace('/', '_') or '_item'}": {
+                "operationId": _operation_id(d), "parameters": {"name": "$response.body#/metadata/name"}}
+            for d in docs if (d.path == item or d.path.startswith(item + "/")) and d.params == ("name",)}
+
+
+def _operation(doc: RouteDoc, links: dict[str, Any]) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": doc.summary, "tags": [doc.tag], "operationId": _operation_id(doc)}
+    params = [{"name": p, "in": "path", "required": True, "schema": dict(PATH.get(p, FREE_TEXT))} for p in doc.params]
+    params += [{"name": q, "in": "query", "required": False, "schema": {k: v for k, v in query_schema(q).items()
+                                                                         if k != "description"},
+                **({"description": query_schema(q)["description"]} if "description" in query_schema(q) else {})}
+               for q in doc.query]
     if params:
         op["parameters"] = params
     if doc.request is not None:
         op["requestBody"] = {"required": True, "content": {
             "application/json": {"schema": _ref(doc.request)},
             "application/yaml": {"schema": _ref(doc.request)}}}
+    elif doc.method == "PATCH":
+        patch = {"type": "object", "description": "RFC 7386 JSON merge patch of the manifest",
+                 "propertyNames": {"pattern": NO_NUL}, "additionalProperties": {"$ref": "#/components/schemas/JsonValue"}}
+        op["requestBody"] = {"required": True, "content": {
+            "application/merge-patch+json": {"schema": patch}, "application/json": {"schema": patch}}}
     ok: dict[str, Any] = {"description": "OK"}
-    if doc.response is not None:
+    if doc.method == "DELETE":
+        ok["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/Status"}}}
+    elif doc.response is not None:
         schema: dict[str, Any] = _ref(doc.response)
         if doc.list_response:
             schema = {"type": "object", "properties": {"apiVersion": {"type": "string"},
@@ -78,6 +222,10 @@ def _operation(doc: RouteDoc) -> dict[str, Any]:
         ok["content"] = {"application/json": {"schema": schema}}
     err = {"description": "Error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     op["responses"] = {"200": ok, "4XX": err}
+    if doc.created:
+        op["responses"]["201"] = {**ok, "description": "Created", **({"links": links} if links else {})}
+        if links:
+            op["responses"]["200"] = {**ok, "links": links}
     if doc.auth:
         op["security"] = [{"bearer": []}]
     return op

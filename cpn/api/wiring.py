@@ -8,6 +8,7 @@ from aiohttp import web
 
 from cpn.core.kinds import KindRegistry
 from cpn.core.settings import Settings
+from layers.control import leases
 from layers.orchestration.identity import kinds as identity_kinds
 from layers.orchestration.jobs import kinds as job_kinds
 from layers.orchestration.jobs.workflow import Timeouts
@@ -17,15 +18,16 @@ from layers.resource import kinds as resource_kinds
 def build_registry(settings: Settings) -> KindRegistry:
     registry = KindRegistry()
     registry.register(identity_kinds.kind())
-    resource_kinds.register(registry, timedelta(seconds=settings.heartbeat_timeout_seconds))
+    resource_kinds.register(registry, timedelta(seconds=settings.heartbeat_timeout_seconds), leases.holders)
     job_kinds.register(registry, Timeouts.of(settings))
     return registry
 
 
 def setup_layer_routes(app: web.Application) -> None:
     """Routes beyond generic CRUD (heartbeats, quotes, accept, metrics …)."""
-    from cpn.api.routes import jobs, lifecycle, resource
+    from cpn.api.routes import bundles, jobs, lifecycle, resource
 
     resource.setup(app)
     jobs.setup(app)
     lifecycle.setup(app)
+    bundles.setup(app)

@@ -1,4 +1,4 @@
-"""`cpn agent`: run the provider-side agent that heartbeats a cluster's live capacity to CPN."""
+"""`cpn agent`: the site agent — heartbeats a cluster's live capacity and runs its sub-tasks."""
 
 from __future__ import annotations
 
@@ -20,11 +20,18 @@ __all__ = ["agent_cmd"]
 @click.option("--cluster", required=True, help="Name of the CPN Cluster this agent reports for.")
 @click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path),
               help="Discover GPUs from this Kubernetes cluster.")
-@click.option("--context", "kube_context", help="Kubeconfig context (default: its current-context).")
+@click.option("--context", "kube_context", help="With --kubeconfig: the kubeconfig context (default: its "
+              "current-context). Not a cpnctl context: the server and token come from --server/--token.")
+@click.option("--namespace", default="default", show_default=True, help="With --kubeconfig: namespace for Jobs.")
 @click.option("--local", is_flag=True, help="Offer this machine's GPUs (or CPU slots) instead.")
 @click.option("--gpus", type=int, help="With --local: slots to offer when no CUDA device is visible [1].")
 @click.option("--server", help="CPN API URL (CPN_SERVER, else the cpnctl config's current context).")
-@click.option("--token", help="Provider token (CPN_TOKEN, else the cpnctl config's current context).")
+@click.option("--token", help="Provider token (prefer CPN_TOKEN: a flag shows in `ps`; else the cpnctl config).")
+@click.option("--advertise-address", help="Address other sites reach this one at, for the rendezvous of jobs "
+              "whose first site is here [the address used to reach the server].")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where local runs live [~/.local/share/cpn/agent/CLUSTER].")
+@click.option("--no-work", is_flag=True, help="Heartbeat only; do not claim sub-tasks.")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=15.0, show_default=True,
               help="Seconds between heartbeats.")
 @click.option("--once", is_flag=True, help="Send one heartbeat and exit.")
@@ -35,16 +42,18 @@ __all__ = ["agent_cmd"]
 @click.option("--lat", type=click.FloatRange(-90, 90), help="With --register: the new Site's latitude.")
 @click.option("--lon", type=click.FloatRange(-180, 180), help="With --register: the new Site's longitude.")
 def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, local: bool, gpus: int | None,
-              server: str | None, token: str | None, interval: float, once: bool, price: str | None,
+              namespace: str, server: str | None, token: str | None, advertise_address: str | None,
+              state_dir: Path | None, no_work: bool, interval: float, once: bool, price: str | None,
               register: bool, site: str | None, region: str | None, lat: float | None,
               lon: float | None) -> None:
-    """Heartbeat a cluster's allocatable GPUs to CPN every --interval seconds.
+    """Heartbeat a cluster's allocatable GPUs every --interval seconds, claim the sub-tasks CPN places
+    on it and run them (local processes, or Indexed Jobs on the site's Kubernetes).
 
     \b
-      cpn agent --cluster fra-1-h100 --kubeconfig ~/.kube/config
+      CPN_TOKEN=... cpn agent --cluster fra-1-h100 --kubeconfig ~/.kube/config --server https://cpn.example
       cpn agent --cluster lab-cpu --local --gpus 4 --register --site lab-1 --region eu-west --price 0.10
     """
-    from layers.resource.agent import AgentConfig, Registration, run_agent
+    from cpn.agent.heartbeat import AgentConfig, Registration, run_agent
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S")
@@ -58,7 +67,9 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
             registration = Registration(site=site, region=region, price_per_gpu_hour=price, lat=lat, lon=lon)
         cfg = AgentConfig(cluster=cluster, server=target.server or "", token=target.token, kubeconfig=kubeconfig,
                           context=kube_context, local=local, gpus=gpus, price_per_gpu_hour=price,
-                          interval=timedelta(seconds=interval), once=once, register=registration)
+                          interval=timedelta(seconds=interval), once=once, register=registration,
+                          namespace=namespace, advertise_address=advertise_address, state_dir=state_dir,
+                          work=not no_work)
         asyncio.run(run_agent(cfg))
     except (ApiError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from exc

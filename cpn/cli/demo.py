@@ -1,7 +1,8 @@
 """`cpn demo`: the whole system on one machine in a few minutes.
 
 Starts an embedded API server on SQLite, registers three local sites of two providers with
-different prices and WAN links, keeps their agents heartbeating, submits a TrainingJob with
+different prices and WAN links, starts a site agent per cluster (each in its own network namespace
+behind the emulated WAN when root), submits a TrainingJob with
 strategy `auto`, shows the quotes, accepts `balanced`, runs it with a live progress bar and prints
 the summary: validation loss start → end, wall time, WAN traffic and cost per provider.
 """
@@ -9,11 +10,9 @@ the summary: validation loss start → end, wall time, WAN traffic and cost per 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -21,9 +20,11 @@ from typing import Any
 
 import click
 
+from cpn.agent.localsites import LocalCluster, LocalSites
 from cpn.cli.ctl import output
 from cpn.client import ApiError, Client
 from cpn.runtime.launcher import free_port
+from layers.resource.gpus import CPU_SLOT_TFLOPS
 
 PROVIDERS = {"alpha-cloud": ["fra-1", "ams-1"], "beta-dc": ["nyc-1"]}
 SITES = [  # name, region, lat, lon, price per slot-hour
@@ -33,7 +34,6 @@ SITES = [  # name, region, lat, lon, price per slot-hour
 ]
 LINKS = [("fra-1", "ams-1", 0.2, 8.0, "0.02"), ("ams-1", "nyc-1", 0.1, 75.0, "0.05"),
          ("fra-1", "nyc-1", 0.1, 85.0, "0.05")]
-CPU_TFLOPS = 0.05
 
 
 def world(provider: str) -> list[dict[str, Any]]:
@@ -46,7 +46,7 @@ def world(provider: str) -> list[dict[str, Any]]:
                      "spec": {"region": region, "location": {"lat": lat, "lon": lon}}})
         docs.append({"apiVersion": "cpn/v1", "kind": "Cluster", "metadata": {"name": f"{name}-cpu"},
                      "spec": {"site": name, "driver": "local", "nodePools": [{
-                         "name": "slots", "gpu": {"model": "CPU", "memoryGB": 4, "tflops": CPU_TFLOPS},
+                         "name": "slots", "gpu": {"model": "CPU", "memoryGB": 4, "tflops": CPU_SLOT_TFLOPS},
                          "gpusPerNode": 1, "nodes": 1, "pricePerGpuHour": price}],
                          "interconnect": {"intraNodeGbps": 50, "interNodeGbps": 10}}})
     for a, b, gbps, rtt, price in LINKS:
@@ -63,43 +63,18 @@ def job_manifest(tokens: int, model: str) -> dict[str, Any]:
                      "sites": {"min": 3, "max": 3}, "objective": {"cost": 0.5, "time": 0.5}}}
 
 
-class Heartbeats(threading.Thread):
-    """The three site agents: every few seconds each cluster reports one free slot."""
-
-    def __init__(self, server: str, tokens: dict[str, str]):
-        super().__init__(daemon=True)
-        self.server, self.tokens, self.stopped = server, tokens, threading.Event()
-
-    def beat(self) -> None:
-        for provider, sites in PROVIDERS.items():
-            with Client(self.server, self.tokens[provider]) as client:
-                for site in sites:
-                    client.post(f"/api/v1/clusters/{site}-cpu/heartbeat",
-                                json={"allocatableGpus": 1, "capacityGpus": 1,
-                                      "conditions": [{"type": "Ready", "status": "True", "reason": "AgentOK"}]})
-
-    def run(self) -> None:
-        while not self.stopped.wait(5.0):
-            try:
-                self.beat()
-            except ApiError:
-                pass
-
-
-
 def _token(env: dict[str, str], name: str, role: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "cpn.cli.server", "token", "create", name, "--role", role],
+    proc = subprocess.run([sys.executable, "-m", "cpn.cli.server", "token", "create", name, "--role", role, "--init"],
                           env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise click.ClickException(f"could not create a token: {proc.stderr.strip()}")
     return proc.stdout.strip()
 
 
-def _start_server(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
+def _start_server(env: dict[str, str], url: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "cpn.cli.server", "serve", "--port", str(port)], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "cpn.cli.server", "serve"], env=env,
                                 stdout=fh, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     with Client(url) as client:
         for _ in range(300):
             if proc.poll() is not None:
@@ -164,52 +139,75 @@ def _summary(client: Client, job: dict[str, Any], wall: float) -> None:
     click.echo(f"  WAN traffic       {wan / 1e9:.4f} GB")
     for provider, amount in sorted(per_provider.items()):
         click.echo(f"  cost {provider:<12} {amount:.2f} USD")
-    click.echo(f"  cost total        {sum(per_provider.values(), Decimal(0)):.2f} USD")
+    billed = sum((Decimal(inv["status"]["total"]) for inv in invoices), Decimal(0))  # rounded once, per invoice
+    click.echo(f"  cost total        {billed} USD (lines exact to 6 places, the invoice total to the cent)")
 
 
 @click.command("demo")
 @click.option("--tokens", type=int, default=3_000_000, show_default=True, help="Token budget of the demo job.")
 @click.option("--model", default="tiny", show_default=True, help="Runtime model preset.")
-@click.option("--wan/--no-wan", default=None, help="Emulate WAN links with netns + tbf (default: when root).")
+@click.option("--wan/--no-wan", default=None, help="Each site in its own network namespace behind an emulated "
+              "WAN (netns + tbf; default: when root).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the demo's database and runs here (default: a temporary directory).")
 @click.option("--keep", is_flag=True, help="Leave the server running at the end.")
 def demo_cmd(tokens: int, model: str, wan: bool | None, data_dir: Path | None, keep: bool) -> None:
-    """Run the end-to-end demo: three sites, quotes, a training job across them, the bill."""
-    wan = (os.geteuid() == 0 and shutil.which("tc") is not None) if wan is None else wan
+    """Run the end-to-end demo: three sites with their agents, quotes, a training job across them, the bill."""
+    wan = LocalSites.can_emulate() if wan is None else wan
+    if wan and not LocalSites.can_emulate():
+        raise click.ClickException("--wan needs root and iproute2 (ip, tc); rerun as root or drop --wan")
+    if not wan:
+        click.echo("● not root: the site agents share this machine's network (no emulated WAN)")
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="cpn-demo-"))
+    data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "CPN_DATA_DIR": str(data_dir), "CPN_PORT": str(port), "CPN_DATABASE_URL":
-           f"sqlite+aiosqlite:///{data_dir / 'cpn.db'}", "CPN_WAN_EMULATION": "1" if wan else "0",
-           "CPN_HEARTBEAT_TIMEOUT_SECONDS": "30", "CPN_RECONCILE_INTERVAL_SECONDS": "1"}
-    server = f"http://127.0.0.1:{port}"
-    click.echo(f"● starting CPN on {server} (SQLite in {data_dir}; WAN emulation {'on' if wan else 'off'})")
-    proc = _start_server(env, port, data_dir / "server.log")
-    beats: Heartbeats | None = None
-    try:
-        tokens_by = {p: _token(env, p, "provider") for p in PROVIDERS}
-        user = _token(env, "demo-user", "user")
-        for provider in sorted(PROVIDERS, key=lambda p: p == "alpha-cloud"):  # alpha links to beta's site
-            with Client(server, tokens_by[provider]) as client:
-                result = client.post("/api/v1/apply", json={"items": world(provider)})
-                click.echo(f"● {provider} registered " + ", ".join(f"{i['kind'].lower()}/{i['name']}"
-                                                                   for i in result["items"]))
-        beats = Heartbeats(server, tokens_by)
-        beats.beat()
-        beats.start()
-        with Client(server, user) as client:
-            _run_job(client, tokens, model)
-    finally:
-        if beats is not None:
-            beats.stopped.set()
-        if keep:
-            click.echo(f"● server left running on {server} (pid {proc.pid}); data in {data_dir}")
-        else:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+           f"sqlite+aiosqlite:///{data_dir / 'cpn.db'}", "CPN_HEARTBEAT_TIMEOUT_SECONDS": "30",
+           "CPN_RECONCILE_INTERVAL_SECONDS": "1"}
+    env.pop("CPN_TOKEN", None)
+    tokens_by = {p: _token(env, p, "provider") for p in PROVIDERS}
+    user = _token(env, "demo-user", "user")
+    clusters = [LocalCluster(f"{site}-cpu", site, tokens_by[provider])
+                for provider, sites in PROVIDERS.items() for site in sites]
+    links = [(a, b, gbps * 1000) for a, b, gbps, _, _ in LINKS]
+    with LocalSites(port, clusters, links, data_dir / "sites", wan=wan) as sites:
+        env["CPN_HOST"] = sites.server_host
+        server = sites.server_url
+        click.echo(f"● starting CPN on {server} (SQLite in {data_dir}; "
+                   + ("each site in its own network namespace behind the emulated WAN)" if wan else "no WAN emulation)"))
+        proc = _start_server(env, server, data_dir / "server.log")
+        try:
+            for provider in sorted(PROVIDERS, key=lambda p: p == "alpha-cloud"):  # alpha links to beta's site
+                with Client(server, tokens_by[provider]) as client:
+                    result = client.post("/api/v1/apply", json={"items": world(provider)})
+                    click.echo(f"● {provider} registered " + ", ".join(f"{i['kind'].lower()}/{i['name']}"
+                                                                       for i in result["items"]))
+            sites.start_all()
+            click.echo("● started a site agent per cluster: " + ", ".join(c.name for c in clusters)
+                       + f" (logs in {sites.state_root / 'logs'})")
+            with Client(server, user) as client:
+                _wait_ready(client, len(clusters))
+                _run_job(client, tokens, model)
+        finally:
+            if keep:
+                click.echo(f"● server left running on {server} (pid {proc.pid}); data in {data_dir}")
+            else:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def _wait_ready(client: Client, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = [c for c in client.get("/api/v1/clusters")["items"]
+                 if any(x["type"] == "Ready" and x["status"] == "True" for x in c["status"].get("conditions", []))]
+        if len(ready) >= count:
+            return
+        time.sleep(0.5)
+    raise click.ClickException(f"the site agents did not report in {timeout:.0f} s; see their logs")
 
 
 def _run_job(client: Client, tokens: int, model: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from datetime import datetime, timedelta
 
 import click
 
@@ -76,12 +77,137 @@ def token() -> None:
 @token.command("create")
 @click.argument("name")
 @click.option("--role", type=click.Choice(["admin", "provider", "user"]), required=True)
-def token_create(name: str, role: str) -> None:
-    """Create account NAME (if new) with ROLE and print a new token — only the token, once."""
-    click.echo(asyncio.run(_create_token(get_settings(), name, role)))
+@click.option("--init", "init", is_flag=True,
+              help="Create the database schema first if there is none (a fresh database for a new server).")
+@click.option("--expires-in", "expires_in", default=None, metavar="DURATION",
+              help="Expire the token after this long: 30d, 12h, 90m, 2w (default: never).")
+def token_create(name: str, role: str, init: bool, expires_in: str | None) -> None:
+    """Create account NAME (if new) with ROLE and print a new token — only the token, once.
+
+    Writes to the database of CPN_DATABASE_URL (or CPN_DATA_DIR/cpn.db): the same settings the server
+    runs with. A database without CPN's schema is refused unless --init is given."""
+    from datetime import UTC, datetime
+
+    settings = get_settings()
+    expires_at = datetime.now(UTC) + parse_duration(expires_in) if expires_in is not None else None
+    click.echo(asyncio.run(_create_token(settings, name, role, init=init, expires_at=expires_at)))
+    note = f"; expires {expires_at.isoformat(timespec='seconds')}" if expires_at else ""
+    click.echo(f"token stored in {_shown(settings.effective_database_url)}{note}", err=True)
 
 
-async def _create_token(settings: Settings, name: str, role: str) -> str:
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """`30d`, `12h`, `90m`, `45s`, `2w` → a positive timedelta (at most ten years)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d{1,6})\s*([smhdw])\s*", text or "")
+    if m is None or int(m.group(1)) == 0:
+        raise click.BadParameter(f"{text!r}: write a positive whole number and a unit s, m, h, d or w "
+                                 "(e.g. 30d, 12h)", param_hint="--expires-in")
+    seconds = int(m.group(1)) * _UNITS[m.group(2)]
+    if seconds > 3650 * 86400:
+        raise click.BadParameter(f"{text!r} is more than ten years; leave --expires-in out for a token that "
+                                 "does not expire", param_hint="--expires-in")
+    return timedelta(seconds=seconds)
+
+
+@token.command("list")
+@click.option("--account", default=None, help="Only this account's tokens.")
+@click.option("--all", "include_workers", is_flag=True, help="Also the per-job worker tokens.")
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def token_list(account: str | None, include_workers: bool, output: str) -> None:
+    """List tokens: id (the token's `cpn_<id>_` prefix), account, role, state, expiry. Never the secret."""
+    import json
+
+    rows = asyncio.run(_token_db(get_settings(), "list", account=account, include_workers=include_workers))
+    if output == "json":
+        click.echo(json.dumps([{"id": t.id, "account": t.account, "role": t.role, "job": t.job, "state": t.state,
+                                "created": t.created_at.isoformat(),
+                                "expires": t.expires_at.isoformat() if t.expires_at else None} for t in rows],
+                              indent=2))
+        return
+    from cpn.cli.ctl.output import format_rows
+
+    table = [[t.id, t.account, t.role, t.state, t.created_at.strftime("%Y-%m-%d %H:%M"),
+              t.expires_at.strftime("%Y-%m-%d %H:%M") if t.expires_at else "never", t.job or ""] for t in rows]
+    if not table:
+        click.echo("no tokens" + (f" for account {account!r}" if account else ""), err=True)
+        return
+    click.echo(format_rows(["ID", "ACCOUNT", "ROLE", "STATE", "CREATED", "EXPIRES", "JOB"], table))
+
+
+@token.command("revoke")
+@click.argument("token_id", required=False, metavar="ID")
+@click.option("--account", default=None, help="Revoke every token of this account instead.")
+def token_revoke(token_id: str | None, account: str | None) -> None:
+    """Revoke token ID (from `cpn token list`, or the `cpn_<id>` prefix of the token), or with --account
+    every token of an account. Servers refuse it from the next request on."""
+    if (token_id is None) == (account is None):
+        raise click.UsageError("give a token ID or --account NAME (one of them)")
+    revoked = asyncio.run(_token_db(get_settings(), "revoke", ref=token_id, account=account))
+    if not revoked:
+        click.echo(f"account {account!r} has no active token" if account else "already revoked", err=True)
+    for lookup in revoked:
+        click.echo(f"token {lookup} revoked")
+
+
+async def _token_db(settings: Settings, action: str, **kw: object) -> list:
+    from cpn.core import errors
+    from cpn.core.db import Database
+    from layers.orchestration.identity import tokens
+
+    url = settings.effective_database_url
+    await _check_schema(url)
+    db = Database(url)
+    try:
+        async with db.session() as session:
+            if action == "list":
+                return await tokens.list_tokens(session, kw.get("account"),  # type: ignore[arg-type]
+                                                include_workers=bool(kw.get("include_workers")))
+            return await tokens.revoke(session, kw.get("ref"), account=kw.get("account"))  # type: ignore[arg-type]
+    except errors.CPNError as exc:
+        raise click.ClickException(exc.message) from exc
+    finally:
+        await db.dispose()
+
+
+def _shown(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+POINT_IT = ("point it at the server's database with CPN_DATA_DIR (the server's data directory) or "
+            "CPN_DATABASE_URL (its database URL)")
+
+
+async def _check_schema(url: str) -> None:
+    """Refuse a database that is not a CPN server's: missing, without the schema, or at another revision."""
+    from cpn.core import migrate
+
+    if url.startswith("sqlite") and ":///" in url:
+        path = url.split(":///", 1)[1]
+        if path and path != ":memory:" and not os.path.exists(path):
+            raise click.ClickException(f"no CPN database at {_shown(url)}: {POINT_IT}, or pass --init to create "
+                                       "a fresh one there")
+    try:
+        revision = await migrate.current_revision(url)
+    except Exception as exc:  # noqa: BLE001 - the driver's own error, shown with the URL
+        raise click.ClickException(f"cannot open the database {_shown(url)}: {str(exc).splitlines()[0]}; "
+                                   f"{POINT_IT}") from exc
+    head = migrate.head_revision()
+    if revision is None:
+        raise click.ClickException(f"{_shown(url)} has no CPN schema, so it is not a CPN server's database: "
+                                   f"{POINT_IT}, or pass --init to create the schema there")
+    if revision is not None and revision != head:
+        raise click.ClickException(f"{_shown(url)} is at schema revision {revision}, this cpn expects {head}: "
+                                   "start `cpn serve` (it upgrades) or run `cpn db upgrade` with the same settings")
+
+
+async def _create_token(settings: Settings, name: str, role: str, *, init: bool = False,
+                        expires_at: datetime | None = None) -> str:
     from cpn.core import migrate
     from cpn.core.db import Database
     from cpn.core.manifest import NAME_RE
@@ -90,11 +216,15 @@ async def _create_token(settings: Settings, name: str, role: str) -> str:
 
     if not NAME_RE.match(name):
         raise click.BadParameter("must be lowercase letters, digits, '-' or '.'", param_hint="NAME")
-    await migrate.upgrade_async(settings.effective_database_url)
-    db = Database(settings.effective_database_url)
+    url = settings.effective_database_url
+    if init:  # explicit: create (or upgrade) the schema here
+        await migrate.upgrade_async(url)
+    else:
+        await _check_schema(url)
+    db = Database(url)
     try:
         async with db.session() as session:
-            return await create_token(session, name, Role(role))
+            return await create_token(session, name, Role(role), expires_at=expires_at)
     finally:
         await db.dispose()
 
@@ -104,6 +234,7 @@ async def _create_token(settings: Settings, name: str, role: str) -> str:
     "training": "cpn.runtime.cli_train:bench_training_cmd",
     "scheduler": "cpn.cli.bench:bench_scheduler_cmd",
     "quotes": "cpn.cli.bench_api:bench_quotes_cmd",
+    "gpu": "cpn.cli.bench_gpu:bench_gpu_cmd",
 })
 def bench() -> None:
     """Benchmarks that print figures and write docs/benchmarks/."""
@@ -121,6 +252,8 @@ def catalog() -> None:
 
 def run() -> None:
     """Entry point: any failure becomes one line on stderr and exit code 1 (CPN_DEBUG=1 for a traceback)."""
+    from pydantic import ValidationError
+
     from cpn.client import ApiError
     from cpn.core.errors import CPNError
 
@@ -134,6 +267,11 @@ def run() -> None:
         sys.exit(exc.exit_code or 1)
     except CPNError as exc:
         click.echo(f"error: {exc.message}", err=True)
+        sys.exit(1)
+    except ValidationError as exc:  # settings from CPN_* variables
+        details = "; ".join(f"CPN_{str(e['loc'][0]).upper()}: {str(e['msg']).removeprefix('Value error, ')}"
+                            if e["loc"] else e["msg"] for e in exc.errors(include_url=False))
+        click.echo(f"error: invalid settings: {details}", err=True)
         sys.exit(1)
     except ApiError as exc:
         click.echo(f"error: {exc}", err=True)

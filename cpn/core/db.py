@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, MetaData, event
+from sqlalchemy import JSON, DateTime, Integer, MetaData, event, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
@@ -125,6 +125,11 @@ class Database:
                 yield
         else:
             yield
+
+    async def ping(self) -> None:
+        """A round trip to the database (health checks)."""
+        async with self.session() as s:
+            await s.execute(text("SELECT 1"))
 
     async def dispose(self) -> None:
         await self.engine.dispose()

@@ -15,12 +15,15 @@
      ├── RateLimited              429 rate_limited
      └── Unavailable              503 unavailable
 
-The API serialises any of them as ``{"error": {"code", "message", "field"}}`` and the client
-library turns that body back into :class:`cpn.client.ApiError`.
+The API serialises any of them as ``{"error": {"code", "message", "field", "details"}}`` and the
+client library turns that body back into :class:`cpn.client.ApiError`. A validation error reports
+every bad field: ``message`` lists them all, ``field`` names the first, ``details`` is the list
+``[{"field", "message"}, ...]`` in the user's field paths (``spec.model``, ``spec.gpus.min``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -28,7 +31,8 @@ class CPNError(Exception):
     status = 500
     code = "internal"
 
-    def __init__(self, message: str, *, field: str | None = None, details: dict[str, Any] | None = None):
+    def __init__(self, message: str, *, field: str | None = None,
+                 details: dict[str, Any] | list[dict[str, Any]] | None = None):
         if field and field not in message and isinstance(self, InvalidInput):
             message = f"{field}: {message}"
         super().__init__(message)
@@ -96,29 +100,87 @@ class Unavailable(CPNError):
 
 
 def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
-    """Render a pydantic error location as `spec.nodePools[1].gpusPerNode`."""
+    """Render a pydantic error location as `spec.nodePools[1].gpusPerNode`, leaving out pydantic's
+    own steps (union members such as `function-after[_complete(), ModelSpec]`, `str`, `int`)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif _is_internal(part):
+            continue
         else:
             out += f".{part}" if out else str(part)
     return out
 
 
+_INTERNAL_RE = re.compile(r"[\[\](), ]|^(str|int|float|bool|dict|list|none|decimal|function-\w+)$")
+
+
+def _is_internal(part: Any) -> bool:
+    """A location step pydantic adds for a union member or a validator, never a key the user wrote."""
+    return isinstance(part, str) and bool(_INTERNAL_RE.search(part))
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _message(err: dict[str, Any]) -> str:
+    """Pydantic's message in the user's words."""
+    kind, msg, ctx = err["type"], err["msg"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "required field is missing"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"expected a mapping of fields (key: value), got {_describe(err.get('input'))}"
+    if kind == "literal_error":
+        return f"must be one of: {ctx.get('expected', '').replace(' or ', ', ')}; got {_describe(err.get('input'))}"
+    if kind in ("int_parsing", "int_from_float", "int_type"):
+        return f"must be a whole number, got {_describe(err.get('input'))}"
+    if kind in ("float_parsing", "float_type", "decimal_parsing", "decimal_type"):
+        return f"must be a number, got {_describe(err.get('input'))}"
+    if kind.startswith(("greater_than", "less_than")):
+        return f"{msg.replace('Input should be', 'must be')}, got {_describe(err.get('input'))}"
+    if kind in ("value_error", "assertion_error"):
+        return re.sub(r"^(Value|Assertion) error, ", "", msg)
+    return msg.replace("Input should be", "must be")
+
+
+def validation_details(exc: Any, prefix: str = "") -> list[dict[str, str]]:
+    """Every error of a pydantic ValidationError as {field, message}, in the user's field paths."""
+    out: list[dict[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for err in exc.errors(include_url=False):
+        path = field_path(err["loc"])
+        if prefix:
+            path = f"{prefix}.{path}" if path and not path.startswith("[") else f"{prefix}{path}"
+        entry = (path, _message(err))
+        if entry not in seen:
+            seen.add(entry)
+            out.append({"field": path, "message": entry[1]})
+    return _drop_union_noise(out)
+
+
+def _drop_union_noise(details: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A union (`ModelSpec | str`) reports one complaint per member at the same path; keep the most
+    specific one (a rule broken inside the value beats "expected a mapping" / "must be a string")."""
+    generic = ("expected a mapping", "must be a valid string")
+    specific = {d["field"] for d in details if not d["message"].startswith(generic)}
+    kept = [d for d in details if d["field"] not in specific or not d["message"].startswith(generic)]
+    return kept or details
+
+
 def from_validation_error(exc: Any, prefix: str = "") -> InvalidInput:
-    """Convert a pydantic ValidationError into one InvalidInput naming the first bad field."""
-    errors = exc.errors(include_url=False)
-    first = errors[0]
-    loc = [p for p in first["loc"] if p not in ("function-after", "function-before")]
-    path = field_path(loc)
-    if prefix:
-        path = f"{prefix}.{path}" if path and not path.startswith("[") else f"{prefix}{path}"
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        msg = "unknown field"
-    message = f"{path}: {msg}" if path else msg
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more)"
-    others = [{"field": field_path(e["loc"]), "message": e["msg"]} for e in errors[1:10]]
-    return InvalidInput(message, field=path or None, details={"errors": others} if others else None)
+    """Convert a pydantic ValidationError into one InvalidInput that reports every bad field:
+    `message` lists them all, `field` names the first, `details` holds [{field, message}, ...]."""
+    details = validation_details(exc, prefix)
+    if not details:
+        return InvalidInput(str(exc).splitlines()[0])
+    message = "; ".join(f"{d['field']}: {d['message']}" if d["field"] else d["message"] for d in details)
+    return InvalidInput(message, field=details[0]["field"] or None, details=details)

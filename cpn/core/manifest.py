@@ -10,7 +10,17 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from cpn import API_VERSION
@@ -28,6 +38,19 @@ class CamelModel(BaseModel):
 
     def wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """`true` is not a number: pydantic's lax mode would read it as 1 (the schema says integer)."""
+        if isinstance(v, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if annotation in _NUMBERS:
+                raise ValueError(f"must be a number, got {str(v).lower()}")
+        return v
+
+
+_NUMBERS = {int, float, int | None, float | None, Decimal, Decimal | None}
 
 
 def _check_name(v: str) -> str:
@@ -47,8 +70,12 @@ def _check_labels(v: dict[str, str]) -> dict[str, str]:
     return v
 
 
-Name = Annotated[str, AfterValidator(_check_name)]
-Labels = Annotated[dict[str, str], AfterValidator(_check_labels)]
+# WithJsonSchema: the published OpenAPI states the same rule the validator enforces.
+Name = Annotated[str, AfterValidator(_check_name), WithJsonSchema(
+    {"type": "string", "minLength": 1, "maxLength": 63, "pattern": NAME_RE.pattern})]
+Labels = Annotated[dict[str, str], AfterValidator(_check_labels), WithJsonSchema(
+    {"type": "object", "propertyNames": {"pattern": LABEL_KEY_RE.pattern},
+     "additionalProperties": {"type": "string", "maxLength": 63}})]
 
 
 def _check_money(v: Decimal) -> Decimal:
@@ -63,7 +90,53 @@ def _check_money(v: Decimal) -> Decimal:
 
 
 # Money is a decimal on the wire (as a string) and in Python; never a float.
-Money = Annotated[Decimal, AfterValidator(_check_money), PlainSerializer(lambda d: str(d), return_type=str)]
+MONEY_PATTERN = r"^[0-9]+(\.[0-9]{1,6})?$"
+Money = Annotated[Decimal, AfterValidator(_check_money), PlainSerializer(lambda d: format(d, "f"), return_type=str),
+                  WithJsonSchema({"anyOf": [{"type": "string", "pattern": MONEY_PATTERN},
+                                            {"type": "integer", "minimum": 0}],
+                                  "description": "A decimal amount, at most 6 decimal places (a string, or a "
+                                                 "whole number)"})]
+
+
+class ManifestLoader(yaml.SafeLoader):
+    """YAML 1.1 as PyYAML reads it, plus numbers in scientific notation without a dot (`1e5`,
+    `2.5E-3`), which YAML 1.1 leaves as strings but every user means as a number."""
+
+
+ManifestLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+class ManifestSyntaxError(ValueError):
+    """A YAML or JSON document that does not parse; the message carries line and column."""
+
+
+def yaml_error_message(exc: yaml.YAMLError, source: str = "") -> str:
+    where = f"{source}: " if source else ""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    text = f"{problem} ({context})" if context else problem
+    if mark is None:
+        return f"{where}malformed YAML: {text}"
+    return f"{where}malformed YAML at line {mark.line + 1} column {mark.column + 1}: {text}"
+
+
+def load_yaml(text: str, source: str = "") -> Any:
+    try:
+        return yaml.load(text, Loader=ManifestLoader)  # noqa: S506 - ManifestLoader is a SafeLoader
+    except yaml.YAMLError as exc:
+        raise ManifestSyntaxError(yaml_error_message(exc, source)) from exc
+
+
+def load_yaml_all(text: str, source: str = "") -> list[Any]:
+    try:
+        return [d for d in yaml.load_all(text, Loader=ManifestLoader) if d is not None]  # noqa: S506
+    except yaml.YAMLError as exc:
+        raise ManifestSyntaxError(yaml_error_message(exc, source)) from exc
 
 
 class ObjectMeta(CamelModel):
@@ -110,3 +183,30 @@ def list_manifest(items: list[dict[str, Any]], continue_token: str | None = None
     if continue_token:
         body["metadata"] = {"continue": continue_token}
     return body
+
+
+def duration_text(seconds: float, decimals: int = 0) -> str:
+    """A duration in the units a person reads: `45 s`, `2 min 4 s`, `3 h 05 min`, `2 d 4 h`; `decimals`
+    adds precision to the seconds when two values would otherwise read the same."""
+    if seconds < 0 or seconds != seconds:
+        return "-"
+    if seconds >= 86400 and decimals == 0:
+        return f"{int(seconds // 86400)} d {int(seconds % 86400 // 3600)} h"
+    if seconds >= 3600 and decimals == 0:
+        return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+    minutes, rest = divmod(seconds, 60)
+    secs = f"{rest:.{decimals}f}" if decimals else f"{int(rest)}"
+    if minutes >= 60:
+        return f"{int(minutes // 60)} h {int(minutes % 60):02d} min {secs} s"
+    return f"{int(minutes)} min {secs} s" if minutes else f"{secs} s"
+
+
+def distinct_durations(values: list[float]) -> list[str]:
+    """`duration_text` for several options at once, with just enough precision that options whose
+    times differ never read the same (a quote list's TIME column)."""
+    for decimals in range(4):
+        texts = [duration_text(v, decimals) for v in values]
+        if all(texts[i] != texts[j] or abs(values[i] - values[j]) < 0.001
+               for i in range(len(values)) for j in range(i)):
+            return texts
+    return texts

@@ -35,17 +35,24 @@ class Settings(BaseSettings):
     public_url: str | None = Field(default=None, description="URL workers use to reach this server.")
     reconcile: bool = Field(default=True, description="Run the job reconciler inside the API server.")
     reconcile_interval_seconds: float = Field(default=1.0, gt=0)
-    wan_emulation: bool = Field(default=False, description="Local driver: shape WAN links with netns + tbf/htb "
-                                "(needs root).")
-
-    @property
-    def run_root(self) -> Path:
-        return self.data_dir / "runs"
+    claim_timeout_seconds: float = Field(default=120.0, gt=0, description="A sub-task no agent claims within "
+                                         "this long fails its site; the job is re-placed.")
+    blob_max_bytes: int = Field(default=8 * 1024**3, gt=0, description="Largest checkpoint or bundle file.")
+    bundle_max_bytes: int = Field(default=64 * 1024**2, gt=0, description="Largest code bundle (spec.code), "
+                                  "compressed; larger uploads get 413.")
+    blob_url: str | None = Field(default=None, description="Object store for checkpoints and bundles "
+                                 "(s3://bucket/prefix, gs://…, az://…; credentials from the provider's "
+                                 "environment variables); default: <data_dir>/blobs on the server's disk.")
 
     @property
     def base_url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return (self.public_url or f"http://{host}:{self.port}").rstrip("/")
+
+    @field_validator("database_url")
+    @classmethod
+    def _async_driver(cls, v: str | None) -> str | None:
+        return normalize_database_url(v) if v else v
 
     @field_validator("log_level")
     @classmethod
@@ -60,6 +67,25 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite+aiosqlite:///{self.data_dir / 'cpn.db'}"
+
+
+ASYNC_DRIVERS = {"postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg",
+                 "sqlite": "sqlite+aiosqlite"}
+
+
+def normalize_database_url(url: str) -> str:
+    """`postgresql://…` (no driver) means asyncpg and `sqlite:///…` aiosqlite, the async drivers CPN
+    ships; a synchronous driver is refused with the fix instead of failing later on a missing module."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"{url!r} is not a URL; use postgresql+asyncpg://user@host/db or "
+                         "sqlite+aiosqlite:///path/cpn.db")
+    if scheme in ASYNC_DRIVERS:
+        return f"{ASYNC_DRIVERS[scheme]}://{rest}"
+    if scheme in ("postgresql+asyncpg", "sqlite+aiosqlite"):
+        return url
+    raise ValueError(f"the driver {scheme!r} is not one CPN runs on; use "
+                     "postgresql+asyncpg://user@host/db (or just postgresql://…) or sqlite+aiosqlite:///path/cpn.db")
 
 
 @lru_cache(maxsize=1)

@@ -39,31 +39,75 @@ class ResourceRow(Tracked):
 
 
 
-def parse_selector(text: str | None) -> list[tuple[str, str, str | None]]:
-    """`a=b,c!=d,e` → [(a, '=', b), (c, '!=', d), (e, 'exists', None)]."""
-    out: list[tuple[str, str, str | None]] = []
-    for term in filter(None, (t.strip() for t in (text or "").split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            out.append((key.strip(), "!=", value.strip()))
-        elif "=" in term:
-            key, value = term.replace("==", "=").split("=", 1)
-            out.append((key.strip(), "=", value.strip()))
-        else:
-            out.append((term, "exists", None))
+RETIRED = "~"  # a retired object's name is RETIRED + its uid: never a valid name, so it frees the old one
+READ_ONLY_META = ("uid", "creationTimestamp", "owner")  # set by the server; ignored on input
+
+
+def is_retired(name: str) -> bool:
+    return name.startswith(RETIRED)
+
+
+SELECTOR_HELP = ("a label selector is a comma-separated list of key=value, key!=value, key in (a,b), "
+                 "key notin (a,b), key (exists) or !key (absent)")
+Term = tuple[str, str, frozenset[str] | None]
+
+
+def _split_terms(text: str) -> list[str]:
+    """Split on commas outside parentheses: `team in (nlp,cv),env=prod` has two terms."""
+    terms, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0:
+            raise errors.InvalidInput(f"unbalanced ')' in label selector {text!r}; {SELECTOR_HELP}",
+                                      field="labelSelector")
+        if ch == "," and depth == 0:
+            terms.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise errors.InvalidInput(f"unclosed '(' in label selector {text!r}; {SELECTOR_HELP}", field="labelSelector")
+    return [t.strip() for t in [*terms, text[start:]] if t.strip()]
+
+
+def _term(term: str) -> Term:
+    words = term.split(None, 1)
+    if len(words) == 2 and words[1].split(None, 1)[0] in ("in", "notin"):
+        op, _, rest = words[1].partition(" ")
+        rest = rest.strip()
+        if not (rest.startswith("(") and rest.endswith(")")):
+            raise errors.InvalidInput(f"{term!r}: write the values in parentheses, e.g. {words[0]} {op} (a,b)",
+                                      field="labelSelector")
+        values = frozenset(v.strip() for v in rest[1:-1].split(",") if v.strip())
+        return words[0], op, values
+    if "!=" in term:
+        key, value = term.split("!=", 1)
+        return key.strip(), "!=", frozenset({value.strip()})
+    if "=" in term:
+        key, value = term.replace("==", "=").split("=", 1)
+        return key.strip(), "=", frozenset({value.strip()})
+    if term.startswith("!"):
+        return term[1:].strip(), "absent", None
+    if " " in term or "(" in term:
+        raise errors.InvalidInput(f"cannot read {term!r}; {SELECTOR_HELP}", field="labelSelector")
+    return term, "exists", None
+
+
+def parse_selector(text: str | None) -> list[Term]:
+    """`a=b,c!=d,e in (x,y),f notin (z),g,!h` → terms as Kubernetes reads them (equality and set-based)."""
+    out = [_term(t) for t in _split_terms(text or "")]
     for key, _, _ in out:
         if not key:
-            raise errors.InvalidInput("empty key in label selector", field="labelSelector")
+            raise errors.InvalidInput(f"empty key in label selector; {SELECTOR_HELP}", field="labelSelector")
     return out
 
 
-def matches(labels: dict[str, str], selector: list[tuple[str, str, str | None]]) -> bool:
-    for key, op, value in selector:
-        if op == "=" and labels.get(key) != value:
+def matches(labels: dict[str, str], selector: list[Term]) -> bool:
+    for key, op, values in selector:
+        value = labels.get(key)
+        if op in ("=", "in") and value not in (values or ()):
             return False
-        if op == "!=" and labels.get(key) == value:
+        if op in ("!=", "notin") and value in (values or ()):
             return False
-        if op == "exists" and key not in labels:
+        if op == "exists" and key not in labels or op == "absent" and key in labels:
             return False
     return True
 
@@ -73,12 +117,17 @@ def encode_continue(name: str) -> str:
 
 
 def decode_continue(token: str | None) -> str | None:
+    """A position in name order. Any URL-safe base64 text is one (the API publishes that pattern), so a
+    token this server did not make lists from wherever it points instead of failing."""
     if not token:
         return None
+    body = token.rstrip("=")
+    body = body[: len(body) - (len(body) % 4 == 1)]
     try:
-        return base64.urlsafe_b64decode(token.encode()).decode()
-    except (ValueError, UnicodeDecodeError) as exc:
+        raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+    except ValueError as exc:
         raise errors.InvalidInput("not a continue token from this server", field="continue") from exc
+    return raw.decode("utf-8", "replace").replace("\x00", "") or None
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -156,6 +205,8 @@ class ResourceStore:
         }
 
     async def find(self, session: AsyncSession, name: str, *, lock: bool = False) -> ResourceRow | None:
+        if is_retired(name):
+            return None
         stmt = select(self.row).where(self.row.name == name)
         if lock:
             stmt = stmt.with_for_update()
@@ -178,7 +229,7 @@ class ResourceStore:
                    filters: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str | None]:
         terms = parse_selector(selector)
         after = decode_continue(continue_token)
-        stmt = select(self.row).order_by(self.row.name)
+        stmt = select(self.row).where(self.row.name.not_like(f"{RETIRED}%")).order_by(self.row.name)
         if after:
             stmt = stmt.where(self.row.name > after)
         stmt = self.filter_query(stmt, principal, filters or {})
@@ -252,8 +303,21 @@ class ResourceStore:
         row = await self.load(session, principal, name, lock=True)
         self.authorize_write(principal, row)
         await self.before_delete(session, principal, row)
-        await session.delete(row)
+        if await self.has_history(session, row):
+            self.retire(row)
+        else:
+            await session.delete(row)
         await session.flush()
+
+    async def has_history(self, session: AsyncSession, row: ResourceRow) -> bool:
+        """Whether records that must outlive the object (ledger, leases) point at it: it is then retired
+        instead of deleted: gone from every list and lookup, its name free, its history kept."""
+        return False
+
+    @staticmethod
+    def retire(row: ResourceRow) -> None:
+        row.labels = {**(row.labels or {}), "cpn.io/retired-name": row.name}
+        row.name = f"{RETIRED}{row.id}"
 
     async def apply(self, session: AsyncSession, principal: Principal, body: Any) -> tuple[str, dict[str, Any]]:
         """Create or replace (kubectl apply); returns ("created"|"configured", manifest)."""
@@ -267,8 +331,11 @@ class ResourceStore:
             body = {k: v for k, v in body.items() if k != "status"}
             meta = body.get("metadata")
             if isinstance(meta, dict):
-                body["metadata"] = {k: v for k, v in meta.items()
-                                    if k not in ("uid", "creationTimestamp", "owner")}
+                for k in READ_ONLY_META:
+                    if meta.get(k) is not None and not isinstance(meta[k], str):
+                        raise errors.InvalidInput(f"{k} is read-only: leave it out or give the string the server "
+                                                  f"returned, not {type(meta[k]).__name__}", field=f"metadata.{k}")
+                body["metadata"] = {k: v for k, v in meta.items() if k not in READ_ONLY_META}
             if body.get("kind") not in (None, self.kind):
                 raise errors.InvalidInput(f"kind must be {self.kind!r}", field="kind")
             body.setdefault("kind", self.kind)

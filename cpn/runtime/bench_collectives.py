@@ -4,6 +4,12 @@ Each (algorithm, size) is timed as the median over ``repeats`` runs (after ``war
 slowest rank's time; bytes come three ways — the algorithm's own count, this rank's TCP sockets and
 the site veths' counters — and every row carries the alpha-beta prediction and the WAN lower bound
 2(S-1)/S * size / B.  :func:`write_reports` leaves JSON, a markdown table and a PNG chart.
+
+With ``regions`` the S sites form that many regions of S/regions sites (:meth:`Topology.regional`):
+every pair of sites gets its own emulated link, ``metro_mbps`` inside a region and ``wan_mbps``
+(long-haul) between regions, and no site uplink; predictions then use
+:func:`cpn.runtime.costmodel.predict_multilevel_seconds` for ``multilevel`` and the slowest link for
+the others (their rings cross a long-haul link at every step).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpn.runtime.costmodel import CostParams, lower_bound_seconds, predict_seconds
+from cpn.runtime.costmodel import CostParams, lower_bound_seconds, predict_multilevel_seconds, predict_seconds
 from cpn.runtime.launcher import launch
 from cpn.runtime.topology import Topology
 
@@ -37,6 +43,8 @@ class BenchConfig:
     bucket_mb: float = 25.0
     chunk_mb: float = 4.0
     rtt_ms: float = 0.0
+    regions: int | None = None
+    metro_mbps: float | None = None
 
     def __post_init__(self) -> None:
         from cpn.runtime.collectives import parse_algorithm
@@ -49,6 +57,21 @@ class BenchConfig:
             raise ValueError("--sizes-mb must be positive sizes in MiB, e.g. 1,16,64")
         for spec in self.algorithms:
             parse_algorithm(spec)
+        if self.regions is not None:
+            if self.regions < 1 or any(s % self.regions for s in self.sites):
+                raise ValueError(
+                    f"--regions {self.regions} must divide every --sites value {self.sites} "
+                    "(the sites split evenly into regions)"
+                )
+        elif self.metro_mbps is not None:
+            raise ValueError("--metro-mbps needs --regions (metro links join the sites of one region)")
+
+    def topology(self, sites: int) -> Topology:
+        if self.regions is None:
+            return Topology.uniform(sites, self.workers_per_site)
+        return Topology.regional(
+            self.regions, sites // self.regions, self.workers_per_site, self.metro_mbps, self.wan_mbps
+        )
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -78,6 +101,7 @@ def _time_case(spec: str, orig: Any, cfg: BenchConfig) -> dict[str, Any]:
         "times": times,
         "intra": stats.intra_bytes,
         "wan": stats.wan_bytes,
+        "metro": stats.metro_bytes,
         "sock": sockets,
         "iface": iface,
     }
@@ -93,6 +117,7 @@ def _merge(spec: str, size: int, per_rank: list[dict[str, Any]], local: list[int
         "seconds": statistics.median(slowest),
         "seconds_all": slowest,
         "wan_bytes": sum(r["wan"] for r in per_rank),
+        "metro_bytes": sum(r["metro"] for r in per_rank),
         "intra_bytes": sum(r["intra"] for r in per_rank),
         "measured_wan_bytes": round(sum(r["sock"].wan for r in per_rank) / reps),
         "measured_intra_bytes": round(sum(r["sock"].intra for r in per_rank) / reps),
@@ -111,7 +136,8 @@ def bench_worker(cfg: BenchConfig) -> list[dict[str, Any]] | None:
     rows = []
     for mb in cfg.sizes_mb:
         size = int(mb * MIB) // 4 * 4
-        orig = torch.randn(size // 4, generator=torch.Generator().manual_seed(g.rank))
+        host = torch.randn(size // 4, generator=torch.Generator().manual_seed(g.rank), device="cpu")
+        orig = host.to(g.device)
         for spec in cfg.algorithms:
             mine = _time_case(spec, orig, cfg)
             gathered: list[Any] = [None] * g.world_size
@@ -130,25 +156,54 @@ def _annotate(row: dict[str, Any], sites: int, cfg: BenchConfig) -> dict[str, An
 
     alg, comp = parse_algorithm(row["algorithm"])
     w, b = cfg.workers_per_site, cfg.wan_mbps
-    bound = lower_bound_seconds(row["size_bytes"], sites, b) if b and sites > 1 else None
     params = CostParams(rtt_ms=cfg.rtt_ms)
     chunk = cfg.chunk_mb * MIB
-    predicted = predict_seconds(alg, row["size_bytes"], sites, w, b, comp, params, chunk) if b else None
+    if cfg.regions is None:
+        bound = lower_bound_seconds(row["size_bytes"], sites, b) if b and sites > 1 else None
+        predicted = predict_seconds(alg, row["size_bytes"], sites, w, b, comp, params, chunk) if b else None
+    else:
+        bound = None  # the uplink bound does not apply to per-pair links
+        predicted = _predict_regional(alg, comp, row["size_bytes"], sites, cfg, params, chunk)
     return {
         **row,
         "sites": sites,
+        "regions": cfg.regions,
         "workers_per_site": w,
         "wan_mbps": b,
+        "metro_mbps": cfg.metro_mbps,
         "lower_bound_seconds": bound,
         "efficiency": bound / row["seconds"] if bound else None,
         "predicted_seconds": predicted,
     }
 
 
+def _predict_regional(
+    alg: str, comp: str | None, size: int, sites: int, cfg: BenchConfig, params: CostParams, chunk: float
+) -> float | None:
+    regions = cfg.regions or 1
+    rates = [x for x in (cfg.metro_mbps, cfg.wan_mbps) if x]
+    if not rates:
+        return None
+    if alg == "multilevel":
+        from cpn.runtime.collectives import level_codecs
+
+        codecs = level_codecs(comp)
+        names = {k: c.name if c else None for k, c in codecs.items()}
+        metro_c = names.get("metro") or (names.get("top") if regions == 1 else None)
+        wan_c = names.get("wan") or (names.get("top") if regions > 1 else None)
+        wan = cfg.wan_mbps if regions > 1 else (cfg.metro_mbps or cfg.wan_mbps)
+        return predict_multilevel_seconds(
+            size, cfg.workers_per_site, sites // regions, regions, cfg.metro_mbps, wan or min(rates),
+            metro_c, wan_c, params, chunk,
+        )
+    slowest = cfg.wan_mbps if regions > 1 and cfg.wan_mbps else min(rates)
+    return predict_seconds(alg, size, sites, cfg.workers_per_site, slowest, comp, params, chunk)
+
+
 def _timeout(cfg: BenchConfig, sites: int) -> float:
     """Generous: ten times the flat prediction per case, plus process start-up."""
     per_case = sum(
-        predict_seconds("flat", mb * MIB, sites, cfg.workers_per_site, cfg.wan_mbps or 1000.0)
+        predict_seconds("flat", mb * MIB, sites, cfg.workers_per_site, cfg.wan_mbps or cfg.metro_mbps or 1000.0)
         for mb in cfg.sizes_mb
     )
     return 300 + 10 * per_case * len(cfg.algorithms) * (cfg.repeats + cfg.warmup)
@@ -158,14 +213,16 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     """Launch one job per S and return every row, annotated with bound, efficiency and prediction."""
     rows = []
     for sites in cfg.sites:
-        topo = Topology.uniform(sites, cfg.workers_per_site)
+        topo = cfg.topology(sites)
+        shaped = sites > 1 and bool(cfg.wan_mbps or cfg.metro_mbps)
         results = launch(
             topo,
             bench_worker,
             (cfg,),
-            wan_mbps=cfg.wan_mbps if sites > 1 else None,
+            wan_mbps=cfg.wan_mbps if sites > 1 and cfg.regions is None else None,
             timeout=_timeout(cfg, sites),
             capture_output=True,
+            emulate_wan=shaped if cfg.regions is not None else None,
         )
         rows += [_annotate(r, sites, cfg) for r in results[0].result]
     return rows
@@ -191,6 +248,22 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _regional_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| S | regions | algorithm | size MiB | seconds | predicted s | measured / predicted "
+        "| metro bytes (algorithm) | long-haul bytes (algorithm) | inter-site bytes (sockets) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        metro = r.get("metro_bytes") or 0
+        out.append(
+            f"| {r['sites']} | {r['regions']} | {r['algorithm']} | {r['size_bytes'] / MIB:g} | {r['seconds']:.3f} "
+            f"| {_fmt(r['predicted_seconds'])} | {_fmt(_ratio(r['seconds'], r['predicted_seconds']), '.2f')} "
+            f"| {metro:,} | {r['wan_bytes'] - metro:,} | {r['measured_wan_bytes']:,} |"
+        )
+    return out
+
+
 def _find(rows: list[dict], sites: int, size: int, alg: str) -> dict | None:
     return next(
         (r for r in rows if (r["sites"], r["size_bytes"], r["algorithm"]) == (sites, size, alg)), None
@@ -212,6 +285,14 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"- {tag}: hierarchical is {_fmt(_ratio(flat['seconds'], hier['seconds']), '.2f')}x faster than flat "
                 f"(alpha-beta model predicts {_fmt(_ratio(flat['predicted_seconds'], hier['predicted_seconds']), '.2f')}x)"
+            )
+        ml = _find(rows, sites, size, "multilevel")
+        if ml and hier:
+            lines.append(
+                f"- {tag}: multilevel is {_fmt(_ratio(hier['seconds'], ml['seconds']), '.2f')}x faster than hierarchical "
+                f"(alpha-beta model predicts {_fmt(_ratio(hier['predicted_seconds'], ml['predicted_seconds']), '.2f')}x); "
+                f"multilevel took {_fmt(_ratio(ml['seconds'], ml['predicted_seconds']), '.2f')}x its predicted time, "
+                f"hierarchical {_fmt(_ratio(hier['seconds'], hier['predicted_seconds']), '.2f')}x"
             )
         for r in here:
             base_name = r["algorithm"].split("+")[0]
@@ -281,14 +362,27 @@ def write_reports(
     paths[0].write_text(
         json.dumps({"command": command, "config": asdict(cfg), "results": rows}, indent=1) + "\n"
     )
+    regional = cfg.regions is not None
+    setup = (
+        [
+            f"{cfg.regions} regions; every pair of sites on its own emulated link (htb class per peer): "
+            f"metro {_fmt(cfg.metro_mbps, 'g')} Mbit/s inside a region, long-haul {_fmt(cfg.wan_mbps, 'g')} Mbit/s "
+            "between regions; bytes are per job (all ranks). Predicted = α-β model "
+            "(`cpn.runtime.costmodel.predict_multilevel_seconds` for multilevel; the slowest link for the rest).",
+            "",
+        ]
+        if regional
+        else []
+    )
     md = [
         "# All-reduce benchmark",
         "",
+        *setup,
         f"Made by `{command}` (sizes in MiB, B in Mbit/s, median of {cfg.repeats} runs after {cfg.warmup} warm-up).",
         "Efficiency = lower bound 2(S-1)/S·size/B ÷ measured seconds; predicted = α-β model "
         f"(`cpn.runtime.costmodel`, RTT {cfg.rtt_ms:g} ms). See `docs/runtime-collectives.md` for the discussion.",
         "",
-        *_table(rows),
+        *(_regional_table(rows) if regional else _table(rows)),
         "",
         *[f"_{n}_" for n in notes or []],
         "",

@@ -21,7 +21,9 @@ from typing import Any
 from cpn.runtime.config import FaultConfig, StrategyConfig, TrainConfig
 from cpn.runtime.topology import Topology
 
-MODIFIERS = {"int8", "fp16", "bf16", "overlap"}
+MODIFIERS = {"int8", "fp16", "bf16", "fp32", "overlap", "sync", "equal", "balanced"}
+# a name without modifiers takes the defaults :func:`cpn.runtime.autotune.resolve` picks; modifiers pin a
+# knob: int8/fp16/bf16/fp32 the WAN codec, overlap/sync the outer step, balanced/equal the batch shares
 
 
 @dataclass(kw_only=True)
@@ -35,9 +37,9 @@ class BenchOptions:
     seq_len: int = 128
     global_batch: int = 4096
     lr: float = 3e-3
-    inner_steps: int = 20
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    inner_steps: int | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
     staleness: int = 10
     slow_site: int | None = None
     slowdown: float = 1.0
@@ -70,12 +72,17 @@ class BenchOptions:
 
 def strategy_config(spec: str, opts: BenchOptions) -> StrategyConfig:
     name, *mods = spec.split("+")
-    compression = next((m for m in mods if m in ("int8", "fp16", "bf16")), "none")
-    every = opts.inner_steps if name in ("diloco", "local_sgd") else max(1, opts.inner_steps // 4)
+    codec = next((m for m in mods if m in ("int8", "fp16", "bf16", "fp32")), "auto")
+    every = opts.inner_steps
+    if every is not None and name not in ("diloco", "local_sgd"):
+        every = max(1, every // 4)
+    overlap = True if "overlap" in mods else False if "sync" in mods else None
+    balance = True if "balanced" in mods else False if "equal" in mods else None
     return StrategyConfig(
-        name=name, inner_steps=every, compression=compression, overlap="overlap" in mods,
-        staleness=opts.staleness, ps=opts.sites, outer_lr=opts.outer_lr, outer_momentum=opts.outer_momentum,
-        nesterov=opts.outer_momentum > 0, wan_timeout_seconds=20.0 if opts.kill_site is not None else 300.0,
+        name=name, inner_steps=every, compression="none" if codec == "fp32" else codec, overlap=overlap,
+        balance=balance, staleness=opts.staleness, ps=opts.sites, outer_lr=opts.outer_lr,
+        outer_momentum=opts.outer_momentum, nesterov=None if opts.outer_momentum is None else opts.outer_momentum > 0,
+        wan_timeout_seconds=20.0 if opts.kill_site is not None else 300.0,
     )
 
 
@@ -87,7 +94,7 @@ def train_config(spec: str, opts: BenchOptions, kill: bool) -> TrainConfig:
     return TrainConfig(
         model=opts.model, tokens=opts.tokens, global_batch_tokens=opts.global_batch, seq_len=opts.seq_len,
         lr=opts.lr, strategy=strategy_config(spec, opts), faults=faults,
-        val_every=max(1, opts.steps // 20), val_batches=4,
+        val_every=max(1, opts.steps // 10), val_batches=4,
     )
 
 
@@ -120,15 +127,21 @@ def command_line(opts: BenchOptions) -> str:
 
 
 def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[str, Any]:
-    from cpn.runtime.train import run_local
+    from cpn.runtime.autotune import explain, resolve
+    from cpn.runtime.train import preflight, run_local
 
     topology = Topology.uniform(opts.sites, opts.workers_per_site)
+    planned = runs(opts)
+    planned = [(label, resolve(cfg, topology, opts.wan_mbps)) for label, cfg in planned]
+    for _, cfg in planned:  # every run's config is checked before the first one starts
+        preflight(cfg, topology)
     summaries = []
-    for label, cfg in runs(opts):
+    for label, cfg in planned:
         t0 = time.monotonic()
         run_dir = Path(tempfile.gettempdir()) / "cpn-bench-training" / opts.scenario / label
         summary = run_local(cfg, topology, wan_mbps=opts.wan_mbps, run_dir=run_dir, timeout=3 * 3600)
         summary["label"], summary["launch_seconds"] = label, round(time.monotonic() - t0, 1)
+        summary["resolved"] = explain(cfg)
         summaries.append(summary)
     ddp = next((s for s in summaries if s["strategy"] == "ddp" and s["label"] == "ddp"), None)
     target = ddp["final_val_loss"] if ddp else None
@@ -138,7 +151,8 @@ def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[
             "wan_bytes": s["wan_bytes"], "compute_utilization": s["compute_utilization"], "tokens": s["tokens"],
             "time_to_ddp_loss_seconds": time_to_loss(s["val_curve"], target),
             "comm_fraction": s["comm_fraction"], "initial_val_loss": s["initial_val_loss"],
-            "live_sites": s["live_sites"],
+            "live_sites": s["live_sites"], "resolved": s["resolved"],
+            "gpu_seconds": s.get("gpu_seconds"), "intra_bytes": s.get("intra_bytes"),
         }
         for s in summaries
     ]
@@ -183,15 +197,15 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
 def _table(report: dict[str, Any]) -> list[str]:
     results = report["results"]
     ddp = next((r for r in results if r["strategy"] == "ddp"), None)
-    lines = ["| strategy | wall s | speed-up vs ddp | final val loss | vs ddp | WAN MB | WAN ÷ | compute util | comm share | time to ddp loss s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| strategy | resolved to | wall s | speed-up vs ddp | final val loss | vs ddp | WAN MB | WAN ÷ | compute util | comm share | time to ddp loss s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         speed = f"{ddp['wall_seconds'] / r['wall_seconds']:.2f}×" if ddp else "–"
         gap = f"{100 * (r['final_val_loss'] / ddp['final_val_loss'] - 1):+.2f}%" if ddp else "–"
         ratio = f"{ddp['wan_bytes'] / r['wan_bytes']:.0f}×" if ddp and r["wan_bytes"] else "–"
         ttl = r["time_to_ddp_loss_seconds"]
         lines.append(
-            f"| {r['strategy']} | {r['wall_seconds']:.1f} | {speed} | {r['final_val_loss']:.4f} | {gap} | "
+            f"| {r['strategy']} | {r.get('resolved', '–')} | {r['wall_seconds']:.1f} | {speed} | {r['final_val_loss']:.4f} | {gap} | "
             f"{r['wan_bytes'] / 1e6:.2f} | {ratio} | {r['compute_utilization']:.2f} | {r['comm_fraction']:.2f} | "
             f"{'–' if ttl is None else f'{ttl:.1f}'} |"
         )
@@ -214,8 +228,8 @@ def write_markdown(out_dir: Path) -> Path:
             f"`{command_line(BenchOptions(**o))}`", "",
             f"{o['sites']} sites × {o['workers_per_site']} workers, "
             + (f"WAN {o['wan_mbps']:g} Mbit/s per site, " if o["wan_mbps"] else "unshaped network, ")
-            + f"model `{o['model']}`, {o['tokens']:,} tokens, global batch {o['global_batch']} tokens, seq {o['seq_len']}, "
-            f"H={o['inner_steps']}" + (f", site {o['slow_site']} {o['slowdown']}× slower" if o["slow_site"] is not None else "")
+            + f"model `{o['model']}`, {o['tokens']:,} tokens, global batch {o['global_batch']} tokens, seq {o['seq_len']}"
+            + (f", H={o['inner_steps']}" if o.get("inner_steps") else "") + (f", site {o['slow_site']} {o['slowdown']}× slower" if o["slow_site"] is not None else "")
             + f"; {report['machine']['cpus']} CPUs, {report['machine']['when']}.", "",
             *_table(report), "",
             f"![val loss vs wall-clock](training-{report['scenario']}-loss-vs-wall.png)",

@@ -73,11 +73,14 @@ def save(root: Path, step: int, *, site: int, is_leader: bool, is_rank0: bool, s
 
 
 def load(root: str | Path, site: int) -> tuple[int, dict[str, Any] | None, dict[str, Any]] | None:
-    """(step, this site's state or None if it has none, global state) of the latest checkpoint."""
+    """(step, this site's state or None if it has none, global state) of the latest checkpoint.
+
+    Loaded to the host (a run may resume on other devices); the strategies move it to theirs."""
     info = latest(root)
     if info is None:
         return None
     directory = step_dir(Path(root), info["step"])
     site_file = directory / f"site{site}.pt"
-    site_state = torch.load(site_file, weights_only=False) if site in info["sites"] and site_file.exists() else None
-    return info["step"], site_state, torch.load(directory / "global.pt", weights_only=False)
+    site_state = (torch.load(site_file, weights_only=False, map_location="cpu")
+                  if site in info["sites"] and site_file.exists() else None)
+    return info["step"], site_state, torch.load(directory / "global.pt", weights_only=False, map_location="cpu")

@@ -35,10 +35,22 @@ def _csv(kind: type, text: str, flag: str) -> list:
     help="emulated per-site WAN rate in Mbit/s (needs root); omit for unshaped loopback",
 )
 @click.option(
+    "--regions",
+    type=click.IntRange(min=1),
+    default=None,
+    help="split the sites into this many regions: per-pair links, --metro-mbps inside, --wan-mbps between",
+)
+@click.option(
+    "--metro-mbps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="emulated rate of each link between sites of one region (with --regions), Mbit/s",
+)
+@click.option(
     "--algorithms",
     default="flat,hierarchical,leader",
     show_default=True,
-    help="algorithms, optionally +fp16/+bf16/+int8 (e.g. hierarchical+int8)",
+    help="algorithms, optionally +fp16/+bf16/+int8 (e.g. hierarchical+int8; multilevel+none/int8 per level)",
 )
 @click.option(
     "--repeats", default=5, show_default=True, type=click.IntRange(min=1), help="timed runs per case"
@@ -73,7 +85,7 @@ def bench_collectives_cmd(
     as_json: bool,
     **opts: Any,
 ) -> None:
-    """Time flat / hierarchical / leader all-reduce on S x W local processes behind an emulated WAN."""
+    """Time flat / hierarchical / leader / multilevel all-reduce on S x W local processes behind an emulated WAN."""
     from cpn.runtime.bench_collectives import BenchConfig, run_bench, summary, write_reports
     from cpn.runtime.launcher import LaunchError
     from cpn.runtime.netem import NetemError

@@ -20,18 +20,25 @@ from cpn.runtime.topology import Topology
 
 # flag name -> (config path, click option kwargs)
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "strategy": ("strategy.name", {"default": "ddp", "help": "ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps"}),
+    "strategy": ("strategy.name", {"default": "ddp", "help": "auto, ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps"}),
     "model": ("model", {"default": "small", "help": "model preset: tiny, small, medium, base, large"}),
     "tokens": ("tokens", {"type": int, "default": 2_000_000, "help": "token budget over all workers"}),
     "global_batch": ("global_batch_tokens", {"type": int, "default": 16_384, "help": "tokens per global step"}),
     "seq_len": ("seq_len", {"type": int, "default": 128}),
     "lr": ("lr", {"type": float, "default": 3e-3}),
-    "inner_steps": ("strategy.inner_steps", {"type": int, "default": 100, "help": "H (diloco, local_sgd, gossip, ssp)"}),
-    "outer_lr": ("strategy.outer_lr", {"type": float, "default": 0.7}),
-    "outer_momentum": ("strategy.outer_momentum", {"type": float, "default": 0.9}),
-    "nesterov/--no-nesterov": ("strategy.nesterov", {"default": True}),
-    "compression": ("strategy.compression", {"type": click.Choice(["none", "fp16", "bf16", "int8"]), "default": "none"}),
-    "overlap": ("strategy.overlap", {"is_flag": True, "help": "diloco: outer all-reduce in the background, applied one step late"}),
+    "inner_steps": ("strategy.inner_steps", {"type": int, "default": None,
+                                             "help": "H (diloco, local_sgd, gossip, ssp); default: from budget, sites, link"}),
+    "outer_lr": ("strategy.outer_lr", {"type": float, "default": None, "help": "default: 1 (plain averaging) for < 50 rounds, else 0.7"}),
+    "outer_momentum": ("strategy.outer_momentum", {"type": float, "default": None, "help": "default: 0 for < 50 rounds, else 0.9"}),
+    "nesterov/--no-nesterov": ("strategy.nesterov", {"default": None}),
+    "compression": ("strategy.compression", {"type": click.Choice(["auto", "none", "fp16", "bf16", "int8"]), "default": "auto",
+                                             "help": "WAN codec; auto: int8 for diloco/local_sgd across sites"}),
+    "overlap/--no-overlap": ("strategy.overlap", {"default": None,
+                                                  "help": "diloco: outer exchange in the background, merged τ steps later; "
+                                                          "default: when the exchange would cost > 5 % of a round"}),
+    "overlap_steps": ("strategy.overlap_steps", {"type": int, "default": None, "help": "τ (default: the exchange's time in steps)"}),
+    "balance/--no-balance": ("strategy.balance", {"default": None, "help": "batch shares by measured throughput "
+                                                  "(default: on for hierarchical, local_sgd, diloco)"}),
     "staleness": ("strategy.staleness", {"type": int, "default": 4, "help": "ssp: max steps ahead of the slowest site"}),
     "ps": ("strategy.ps", {"type": int, "default": 1, "help": "async_ps: parameter-server shards"}),
     "gossip_neighbours": ("strategy.gossip_neighbours", {"type": int, "default": 1}),
@@ -76,8 +83,11 @@ def build_config(values: dict[str, Any], base: dict[str, Any] | None = None,
         raise click.UsageError(_explain(exc)) from exc
 
 
-def _explain(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+def _explain(exc: ValueError) -> str:
+    """One line: pydantic's errors with their field paths, or the message itself."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+    return str(exc)
 
 
 @click.command("train")
@@ -93,7 +103,8 @@ def _explain(exc: ValidationError) -> str:
 def train_cmd(ctx: click.Context, sites: int, workers_per_site: int, wan_mbps: float | None, run_dir: str | None,
               resume: str | None, as_json: bool, **values: Any) -> None:
     """Train a model on S x W local processes with a cross-site strategy."""
-    from cpn.runtime.train import run_local
+    from cpn.runtime.autotune import explain, resolve
+    from cpn.runtime.train import preflight, run_local
 
     explicit = {k for k in values if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
     base, topology = None, Topology.uniform(sites, workers_per_site)
@@ -105,11 +116,19 @@ def train_cmd(ctx: click.Context, sites: int, workers_per_site: int, wan_mbps: f
             topology = Topology.model_validate_json(saved_topo.read_text())
     cfg = build_config(values, base, explicit)
     cfg = cfg.model_copy(update={"resume": resume, "checkpoint_dir": cfg.checkpoint_dir or resume})
-    summary = run_local(cfg, topology, wan_mbps=wan_mbps, run_dir=run_dir)
+    try:
+        cfg = resolve(cfg, topology, wan_mbps)
+        preflight(cfg, topology)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
+        summary = run_local(cfg, topology, wan_mbps=wan_mbps, run_dir=run_dir)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from exc
     if as_json:
-        click.echo(json.dumps({k: v for k, v in summary.items() if k != "val_curve"}, indent=2))
+        click.echo(json.dumps({**{k: v for k, v in summary.items() if k != "val_curve"}, "resolved": explain(cfg)}, indent=2))
     else:
-        click.echo(f"{cfg.strategy.name}: {summary['tokens']} tokens in {summary['wall_seconds']:.1f}s, "
+        click.echo(f"{explain(cfg)}: {summary['tokens']} tokens in {summary['wall_seconds']:.1f}s, "
                    f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}, "
                    f"WAN {summary['wan_bytes'] / 1e6:.1f} MB, compute utilisation {summary['compute_utilization']:.2f}")
 
@@ -128,9 +147,9 @@ def _explicit(ctx: click.Context) -> set[str]:
 @click.option("--seq-len", type=int, default=128)
 @click.option("--global-batch", type=int, default=4096)
 @click.option("--lr", type=float, default=3e-3)
-@click.option("--inner-steps", type=int, default=20, help="H for diloco / local_sgd; gossip and ssp use H/4")
-@click.option("--outer-lr", type=float, default=0.7, help="diloco's outer learning rate")
-@click.option("--outer-momentum", type=float, default=0.9, help="diloco's outer Nesterov momentum (0: plain SGD)")
+@click.option("--inner-steps", type=int, default=None, help="H for diloco / local_sgd; gossip and ssp use H/4 (default: auto)")
+@click.option("--outer-lr", type=float, default=None, help="diloco's outer learning rate (default: auto)")
+@click.option("--outer-momentum", type=float, default=None, help="diloco's outer Nesterov momentum (0: plain SGD; default: auto)")
 @click.option("--staleness", type=int, default=10, help="ssp's bound")
 @click.option("--slow-site", type=int, default=None)
 @click.option("--slowdown", type=float, default=1.0)
@@ -143,8 +162,16 @@ def bench_training_cmd(as_json: bool, strategies: str, out: str, **options: Any)
     """Every strategy on the same token budget; writes a markdown table and loss plots under --out."""
     from cpn.runtime.bench_training import BenchOptions, run_benchmark
 
-    opts = BenchOptions(strategies=[s.strip() for s in strategies.split(",") if s.strip()], **options)
-    report = run_benchmark(opts, out_dir=Path(out))
+    try:
+        opts = BenchOptions(strategies=[s.strip() for s in strategies.split(",") if s.strip()], **options)
+    except ValueError as exc:
+        raise click.UsageError(_explain(exc)) from exc
+    try:
+        report = run_benchmark(opts, out_dir=Path(out))
+    except ValueError as exc:
+        raise click.UsageError(_explain(exc)) from exc
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from exc
     if as_json:
         click.echo(json.dumps({"results": report["results"]}, indent=2))
     else:

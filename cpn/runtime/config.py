@@ -21,6 +21,9 @@ ENV_REJOIN = "CPN_REJOIN"
 
 StrategyName = Literal["ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps"]
 Compression = Literal["none", "fp16", "bf16", "int8"]
+AUTO = "auto"
+DeviceKind = Literal["auto", "cuda", "cpu"]
+Precision = Literal["auto", "bf16", "fp32"]
 
 
 class _Model(BaseModel):
@@ -28,15 +31,25 @@ class _Model(BaseModel):
 
 
 class StrategyConfig(_Model):
-    """Knobs of the cross-site strategy; each strategy reads the ones it needs."""
+    """Knobs of the cross-site strategy; each strategy reads the ones it needs.
 
-    name: StrategyName = "ddp"
-    inner_steps: int = Field(100, ge=1, description="H: inner steps between outer syncs (diloco, local_sgd, gossip)")
-    outer_lr: float = Field(0.7, gt=0)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
-    compression: Compression = "none"
-    overlap: bool = False
+    ``None`` (and ``"auto"`` for ``name`` and ``compression``) means *chosen for this job*: before any
+    worker starts, :func:`cpn.runtime.autotune.resolve` fills them from the token budget, the sites and
+    the link rate (the rule is in ``docs/runtime-training.md``). Explicit values are kept as given.
+    """
+
+    name: StrategyName | Literal["auto"] = "ddp"
+    inner_steps: int | None = Field(None, ge=1, description="H: inner steps between outer syncs (diloco, local_sgd, gossip)")
+    outer_lr: float | None = Field(None, gt=0)
+    outer_momentum: float | None = Field(None, ge=0, lt=1)
+    nesterov: bool | None = None
+    compression: Compression | Literal["auto"] = "auto"
+    overlap: bool | None = None
+    overlap_steps: int | None = Field(
+        None, ge=1, description="diloco/local_sgd overlap: inner steps the outer exchange may take before it is merged")
+    balance: bool | None = Field(
+        None, description="give each site a share of the global batch in proportion to its measured throughput "
+                          "(hierarchical, local_sgd, diloco; ddp keeps equal shares)")
     staleness: int = Field(4, ge=0, description="ssp: max steps a site may run ahead of the slowest")
     ps: int = Field(1, ge=1, description="async_ps: number of parameter-server shards")
     gossip_neighbours: int = Field(1, ge=1, le=2)
@@ -44,11 +57,17 @@ class StrategyConfig(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> StrategyConfig:
-        if self.overlap and self.name not in ("diloco", "local_sgd"):
+        if self.overlap and self.name not in ("diloco", "local_sgd", AUTO):
             raise ValueError(f"overlap is only for diloco/local_sgd, not {self.name!r}: drop --overlap")
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=false")
         return self
+
+    @property
+    def resolved(self) -> bool:
+        return self.name != AUTO and None not in (self.inner_steps, self.outer_lr, self.outer_momentum, self.nesterov,
+                                                  self.overlap, self.overlap_steps, self.balance) \
+            and self.compression != AUTO
 
 
 class FaultConfig(_Model):
@@ -66,6 +85,17 @@ class FaultConfig(_Model):
         return self
 
 
+class DeviceConfig(_Model):
+    """Where a worker computes and how its groups talk (see ``docs/gpus.md``)."""
+
+    kind: DeviceKind = Field("auto", description="auto: cuda:LOCAL_RANK when the machine has a GPU per local rank, else cpu")
+    precision: Precision = Field("auto", description="auto: bf16 autocast on GPUs that support it, fp32 elsewhere")
+    outer_on_host: bool | None = Field(
+        None, description="diloco/local_sgd: keep the anchor and outer optimiser in host memory (None: when GPU memory is short)")
+    wan_backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="backend of groups that cross sites; nccl only where the sites' network carries it")
+
+
 class TrainConfig(_Model):
     model: str = "small"
     tokens: int = Field(2_000_000, gt=0, description="token budget over all workers")
@@ -77,6 +107,7 @@ class TrainConfig(_Model):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     strategy: StrategyConfig = StrategyConfig()
     faults: FaultConfig = FaultConfig()
+    device: DeviceConfig = DeviceConfig()
     val_every: int = Field(50, ge=1, description="evaluate every N steps (rank 0)")
     val_batches: int = Field(8, ge=1)
     seed: int = 0
@@ -101,14 +132,25 @@ class TrainConfig(_Model):
             raise ValueError(f"tokens {self.tokens} is less than one global batch: raise --tokens")
         return self
 
+    @property
+    def global_sequences(self) -> int:
+        return self.global_batch_tokens // self.seq_len
+
     def sequences_per_worker(self, workers: int) -> int:
-        seqs = self.global_batch_tokens // self.seq_len
-        if seqs % workers:
+        """The largest share of the global batch over ``workers``: ranks take its floor or ceiling."""
+        seqs = self.global_sequences
+        if seqs < workers:
             raise ValueError(
-                f"global batch of {seqs} sequences does not split over {workers} workers: "
-                f"make global_batch_tokens a multiple of {workers * self.seq_len}"
+                f"global batch of {seqs} sequences leaves some of the {workers} workers without one: "
+                f"raise global_batch_tokens to at least {workers * self.seq_len}"
             )
-        return seqs // workers
+        return -(-seqs // workers)
+
+    def shares(self, workers: int) -> list[int]:
+        """Sequences per rank: the first ``B mod N`` ranks take one more than the rest."""
+        self.sequences_per_worker(workers)
+        seqs = self.global_sequences
+        return [seqs // workers + (1 if r < seqs % workers else 0) for r in range(workers)]
 
     @property
     def total_steps(self) -> int:

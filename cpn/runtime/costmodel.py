@@ -21,7 +21,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["CostParams", "lower_bound_seconds", "predict_seconds", "wire_ratio"]
+__all__ = [
+    "CostParams",
+    "lower_bound_seconds",
+    "predict_multilevel_seconds",
+    "predict_seconds",
+    "wire_ratio",
+]
 
 _ETH_OVERHEAD = 1514 / 1448  # bytes on the wire per TCP payload byte, MTU 1500 with timestamps
 _INT8_CHUNK = 256
@@ -107,4 +113,69 @@ def predict_seconds(
     if algorithm == "leader":
         intra = 2 * (w - 1) * (a_intra + exposed * b_intra)
         return intra + wan + (_codec_seconds(k, s, s, compression, p) if s > 1 else 0.0)
-    raise ValueError(f"unknown algorithm {algorithm!r}; choose flat, hierarchical or leader")
+    if algorithm == "multilevel":  # every site its own region: the levels of hierarchical
+        return predict_multilevel_seconds(
+            k, w, 1, s, None, wan_mbps, None, compression, p, chunk_bytes
+        )
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose flat, hierarchical, leader or multilevel")
+
+
+def predict_multilevel_seconds(
+    size_bytes: float,
+    workers_per_site: int,
+    sites_per_region: int,
+    regions: int,
+    metro_mbps: float | None,
+    wan_mbps: float,
+    metro_compression: str | None = None,
+    wan_compression: str | None = None,
+    params: CostParams | None = None,
+    chunk_bytes: float = 4 * 2**20,
+) -> float:
+    """Predicted seconds of the ``multilevel`` all-reduce of K bytes over G regions of R sites of W
+    workers, every pair of sites on its own link (metro inside a region, long-haul between).
+
+    Per site, the metro reduce-scatter (an all-to-all) sends K/R to each other site of the region
+    and the all-gather (a ring) (R-1)/R * K to its neighbour; the long-haul ring over G regions
+    sends 2(G-1)/G * K/R over each of its links, with the W workers' shards sharing a link.  The
+    levels run in their own threads over C = K/k slices, so the slowest level's total sets the pace
+    and the others add one slice each (fill and drain).  ``metro_mbps=None`` is an unshaped metro.
+    """
+    p = params or CostParams()
+    w, r, g = workers_per_site, sites_per_region, regions
+    k = float(size_bytes)
+    chunk = min(k, float(chunk_bytes))
+    chunks = max(1, -(-int(k) // int(chunk_bytes)))
+    b_intra = 8 / (p.intra_gbps * 1e9)
+    a_intra = p.intra_alpha_us / 1e6
+    a_wan = p.rtt_ms / 2e3
+    b_metro = 8 * _ETH_OVERHEAD / (metro_mbps * 1e6) if metro_mbps else b_intra
+    b_wan = 8 * _ETH_OVERHEAD / (wan_mbps * 1e6)
+    c_metro, c_wan = wire_ratio(metro_compression), wire_ratio(wan_compression)
+
+    def site(x: float) -> float:  # reduce-scatter or all-gather of x bytes inside the site
+        return (w - 1) * a_intra + (w - 1) / w * x * b_intra if w > 1 else 0.0
+
+    def metro(x: float, steps: int) -> tuple[float, float]:  # (reduce-scatter, all-gather) per site
+        if r == 1:
+            return 0.0, 0.0
+        return (
+            steps * a_wan + x / r * c_metro * b_metro,
+            steps * (r - 1) * a_wan + (r - 1) / r * x * c_metro * b_metro,
+        )
+
+    if r == 1 and g == 1:
+        return 2 * site(k)
+    n = w * r * g
+    codec = 0.0
+    if metro_compression and r > 1:
+        codec += _codec_seconds(k / w, r, n, metro_compression, p)
+    if wan_compression and g > 1:
+        codec += _codec_seconds(k / (w * r), g, n, wan_compression, p)
+    if g == 1:  # the metro level is the top: a ring all-reduce of the site's K/W shards
+        top = chunks * 2 * (r - 1) * a_wan + 2 * (r - 1) / r * k * c_metro * b_metro
+        return top + 2 * site(chunk) + codec
+    rs, ag = metro(k, chunks)
+    top = chunks * 2 * (g - 1) * a_wan + 2 * (g - 1) / g * (k / r) * c_wan * b_wan
+    rs_c, ag_c = metro(chunk, 1)
+    return max(rs + ag, top) + site(chunk) + rs_c + ag_c + site(chunk) + codec

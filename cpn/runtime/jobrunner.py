@@ -1,11 +1,13 @@
-"""The job runner: starts one job attempt's workers on this machine, site by site, watches them,
-relays their metrics to the orchestrator and writes per-site status for it to read.
+"""The job runner: runs one sub-task of one job attempt at a site — its ranks of the job — watches
+them, relays their metrics to the API, keeps the job's checkpoints in the API's blob store, and
+writes `status.json` for the site agent to report.
 
-It is what the `local` site driver starts (detached, so it outlives an API-server restart). It
-knows nothing of the database: its input is a spec file, its output `status.json` and the logs in
-its run directory, and metric batches POSTed to the orchestrator with a per-job worker token.
+It is what the `local` site driver starts (detached, so it outlives an agent restart). It knows
+nothing of the database: its input is the attempt contract in RUN_DIR/spec.json, its outputs
+`status.json`, the rank logs in RUN_DIR/site-<i>/, metric batches and checkpoint files sent to the
+API with the per-attempt worker token.
 
-    python -m cpn.runtime.jobrunner RUN_DIR      # RUN_DIR/runner.json is the spec
+    python -m cpn.runtime.jobrunner RUN_DIR
 """
 
 from __future__ import annotations
@@ -13,55 +15,42 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+import httpx
 
-from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, TrainConfig
-from cpn.runtime.topology import Topology
+from cpn.runtime import bundle, checkpoint
+from cpn.runtime.contract import ENV, AttemptSpec, worker_env
+
+FINAL_MODEL = "final_model.pt"  # what rank 0 writes at the end (cpn.runtime.train and cpn.train)
+DONE_MARK = ".cpn-bundle"
+MAX_UNPACKED_BYTES = 2 * 1024**3
 
 KILLED_EXIT_CODES = frozenset({-9, -15, 137, 143, 75})
-
-
-class SiteLaunch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    index: int = Field(ge=0)
-    subtask: str
-
-
-class RunnerSpec(BaseModel):
-    """Everything one attempt needs; written by the site driver as RUN_DIR/runner.json."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    job: str
-    attempt: int = Field(ge=1)
-    topology: Topology
-    train: TrainConfig
-    sites: list[SiteLaunch]
-    master_port: int = Field(gt=0, lt=65536)
-    metrics_url: str | None = None
-    metrics_token: str | None = None
-    checkpoint_dir: str
-    elastic: bool = True
-    wan_emulation: bool = False
-    timeout_seconds: float = Field(default=3600.0, gt=0)
+TIMEOUT_SECONDS = 7 * 24 * 3600.0
+POLL_SECONDS = 0.5
 
 
 @dataclass
 class Worker:
     rank: int
-    site: int
     proc: subprocess.Popen[bytes]
+    log: Path
     exit_code: int | None = None
+
+
+def _client(spec: AttemptSpec) -> httpx.Client | None:
+    if not spec.server:
+        return None
+    headers = {"Authorization": f"Bearer {spec.worker_token}"} if spec.worker_token else {}
+    return httpx.Client(base_url=spec.server.rstrip("/"), headers=headers, timeout=30.0)
 
 
 @dataclass
@@ -69,13 +58,13 @@ class Relay:
     """Tails each rank's metrics file and POSTs new lines in batches."""
 
     run_dir: Path
-    url: str | None
-    token: str | None
+    spec: AttemptSpec
+    client: httpx.Client | None
     offsets: dict[int, int] = field(default_factory=dict)
     pending: list[dict[str, Any]] = field(default_factory=list)
 
-    def collect(self, ranks: list[int]) -> None:
-        for rank in ranks:
+    def collect(self) -> None:
+        for rank in self.spec.ranks:
             path = self.run_dir / "metrics" / f"rank{rank}.jsonl"
             if not path.exists():
                 continue
@@ -89,129 +78,231 @@ class Relay:
                     self.pending.append(json.loads(line))
 
     def flush(self) -> None:
-        if not self.url or not self.pending:
+        if self.client is None or not self.pending:
             self.pending.clear()
             return
-        body = json.dumps({"reports": self.pending[:500]}).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
         try:
-            with urllib.request.urlopen(urllib.request.Request(self.url, body, headers, method="POST"), timeout=10):
-                pass
-        except Exception as exc:  # noqa: BLE001 - the orchestrator may be restarting; keep and retry
+            self.client.post(f"/api/v1/jobs/{self.spec.job}/metrics", json={"reports": self.pending[:500]})
+        except httpx.HTTPError as exc:  # the API may be restarting: keep and retry
             print(f"metrics relay: {exc}", file=sys.stderr, flush=True)
             self.pending = self.pending[-5000:]
             return
         del self.pending[:500]
 
 
-def _env(spec: RunnerSpec, rank: int, run_dir: Path, master: str, extra: dict[str, str]) -> dict[str, str]:
-    topo = spec.topology
-    site = topo.site_of(rank)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-    env.pop("CPN_METRICS_URL", None)  # the runner relays; workers only write their files
-    env.update(RANK=str(rank), WORLD_SIZE=str(topo.world_size), LOCAL_RANK=str(topo.local_rank(rank)),
-               LOCAL_WORLD_SIZE=str(topo.sites[site].ranks), GROUP_RANK=str(site), MASTER_ADDR=master,
-               MASTER_PORT=str(spec.master_port), PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-               **topo.to_env(), **spec.train.to_env())
-    env[ENV_RUN_DIR] = str(run_dir)
-    env[ENV_CHECKPOINT_DIR] = spec.checkpoint_dir
-    return env
+@dataclass
+class CheckpointSync:
+    """Copies this site's checkpoint files to the API's blob store, and fetches the newest complete
+    checkpoint before a resumed attempt starts, so a re-placed attempt resumes at any site."""
+
+    root: Path
+    spec: AttemptSpec
+    client: httpx.Client | None
+    sent: set[str] = field(default_factory=set)
+
+    def _base(self) -> str:
+        return f"/api/v1/jobs/{self.spec.job}/checkpoints"
+
+    def fetch(self) -> int | None:
+        """Download the newest complete checkpoint into `root`; its step, or None if there is none."""
+        if self.client is None:
+            info = checkpoint.latest(self.root)
+            return info["step"] if info else None
+        resp = self.client.get(f"{self._base()}/latest")
+        if resp.status_code == 404:
+            return None
+        resp.raise_for_status()
+        latest = resp.json()
+        for name in latest["files"]:
+            target = self.root / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self.client.stream("GET", f"{self._base()}/{name}") as r:
+                r.raise_for_status()
+                tmp = target.with_name(f".{target.name}.part")
+                with tmp.open("wb") as fh:
+                    for chunk in r.iter_bytes():
+                        fh.write(chunk)
+                os.replace(tmp, target)
+            self.sent.add(name)
+        checkpoint.atomic_write_json({"step": latest["step"], "sites": latest["sites"]}, self.root / checkpoint.LATEST)
+        return int(latest["step"])
+
+    def push(self) -> None:
+        if self.client is None or not self.root.exists():
+            return
+        for path in sorted(self.root.glob("step-*/*.pt")):
+            name = f"{path.parent.name}/{path.name}"
+            if name not in self.sent:
+                with path.open("rb") as fh:
+                    self.client.put(f"{self._base()}/{name}", content=fh).raise_for_status()
+                self.sent.add(name)
+        info = checkpoint.latest(self.root)
+        if info and self.spec.leads_rendezvous:  # rank 0's site commits the step once its files are up
+            marker = f"{checkpoint.step_dir(Path(''), info['step']).name}/{checkpoint.LATEST}"
+            if marker not in self.sent:
+                self.client.put(f"{self._base()}/{marker}", content=json.dumps(info).encode()).raise_for_status()
+                self.sent.add(marker)
 
 
-def _start(spec: RunnerSpec, run_dir: Path, wan: Any) -> list[Worker]:
-    master = wan.master_addr if wan else "127.0.0.1"
+def _last_error(log: Path) -> str:
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip()[:300] if lines else ""
+
+
+def fetch_code(spec: AttemptSpec, job_dir: Path, client: httpx.Client | None) -> Path | None:
+    """The job's code bundle (``spec.code``), downloaded by digest with the worker token, verified and
+    safely extracted into ``job_dir/code/<hex>`` (kept for later attempts); None for the built-in LM."""
+    if spec.code is None:
+        return None
+    hexdigest = spec.code.digest.removeprefix("sha256:")
+    target = job_dir / "code" / hexdigest
+    if (target / DONE_MARK).exists():
+        return target
+    if client is None:
+        raise RuntimeError("spec.code needs the API server to fetch the bundle from; this attempt has none")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    archive = target.parent / f".{hexdigest}.{os.getpid()}.tar.gz"
+    with client.stream("GET", f"/api/v1/bundles/{hexdigest}") as r:
+        if r.status_code >= 400:
+            r.read()
+            raise RuntimeError(f"bundle {spec.code.digest} could not be fetched: HTTP {r.status_code} {r.text[:200]}")
+        with archive.open("wb") as fh:
+            for chunk in r.iter_bytes():
+                fh.write(chunk)
+    staging = target.parent / f".{hexdigest}.{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        bundle.extract(archive, staging, MAX_UNPACKED_BYTES, digest=spec.code.digest)
+        (staging / DONE_MARK).write_text(spec.code.digest)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+    finally:
+        archive.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def push_final(spec: AttemptSpec, run_dir: Path, client: httpx.Client | None) -> bool:
+    """Rank 0's site uploads the final weights (``final_model.pt``) once the run has ended."""
+    path = run_dir / FINAL_MODEL
+    if client is None or not spec.leads_rendezvous or not path.exists():
+        return False
+    with path.open("rb") as fh:
+        client.put(f"/api/v1/jobs/{spec.job}/final", content=fh).raise_for_status()
+    return True
+
+
+def _start(spec: AttemptSpec, run_dir: Path, ckpt: Path, code: Path | None = None) -> list[Worker]:
+    log_dir = run_dir / f"site-{spec.site_index}"
+    log_dir.mkdir(parents=True, exist_ok=True)
     workers = []
-    wanted = {s.index for s in spec.sites}
-    for rank in range(spec.topology.world_size):
-        site = spec.topology.site_of(rank)
-        if site not in wanted:
-            continue
-        extra = wan.env(site) if wan else {}
-        argv = [sys.executable, "-m", "cpn.runtime.train"]
-        argv = wan.wrap(site, argv) if wan else argv
-        log_dir = run_dir / f"site-{site}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        with open(log_dir / f"rank{rank}.log", "ab") as log:
-            proc = subprocess.Popen(argv, env=_env(spec, rank, run_dir, master, extra), stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        workers.append(Worker(rank, site, proc))
+    module = "cpn.train.run" if code is not None else "cpn.runtime.train"
+    for rank in spec.ranks:
+        env = worker_env(spec, rank, run_dir=str(run_dir), checkpoint_dir=str(ckpt),
+                         extra={ENV.CODE_DIR: str(code)} if code is not None else None)
+        log_path = log_dir / f"rank{rank}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=str(run_dir))
+        workers.append(Worker(rank, proc, log_path))
     return workers
 
 
-def _site_states(spec: RunnerSpec, workers: list[Worker], collateral: set[int]) -> list[dict[str, Any]]:
-    """Per-site phase. A site the runner stopped because another failed is Cancelled, not Failed:
-    the orchestrator must not blame it when it places the next attempt."""
-    out = []
-    for s in spec.sites:
-        mine = [w for w in workers if w.site == s.index]
-        codes = {str(w.rank): w.exit_code for w in mine}
-        if any(c not in (None, 0) for c in codes.values()):
-            phase = "Failed"
-        elif all(c == 0 for c in codes.values()):
-            phase = "Succeeded"
-        else:
-            phase = "Running"
-        if phase == "Failed" and s.index in collateral:
-            phase = "Cancelled"
-        out.append({"index": s.index, "subtask": s.subtask, "phase": phase, "exitCodes": codes,
-                    "pids": [w.proc.pid for w in mine]})
-    return out
+def _state(workers: list[Worker]) -> tuple[str, str]:
+    codes = [w.exit_code for w in workers]
+    bad = [w for w in workers if w.exit_code not in (None, 0)]
+    if bad:
+        first = bad[0]
+        why = _last_error(first.log)
+        return "Failed", f"rank {first.rank} exited {first.exit_code}" + (f": {why}" if why else "")
+    if all(c == 0 for c in codes):
+        return "Succeeded", ""
+    return "Running", ""
 
 
 def _write_status(run_dir: Path, status: dict[str, Any]) -> None:
     tmp = run_dir / "status.tmp"
-    tmp.write_text(json.dumps(status))
+    tmp.write_text(json.dumps({**status, "pid": os.getpid(), "at": time.time()}))
     os.replace(tmp, run_dir / "status.json")
 
 
-def _kill(workers: list[Worker], sites: set[int] | None = None) -> None:
+def _kill(workers: list[Worker]) -> None:
     for w in workers:
-        if w.exit_code is None and (sites is None or w.site in sites):
+        if w.exit_code is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, signal.SIGKILL)
 
 
-def supervise(spec: RunnerSpec, run_dir: Path, wan: Any = None) -> str:
-    """Run the attempt to its end; returns the runner's final phase."""
-    workers = _start(spec, run_dir, wan)
-    relay = Relay(run_dir, spec.metrics_url, spec.metrics_token)
-    stop = {"why": None}
+def _prepare(spec: AttemptSpec, sync: CheckpointSync) -> tuple[AttemptSpec, str]:
+    """Resume only from a checkpoint that exists; otherwise start cleanly and say so."""
+    if spec.attempt == 1 and not spec.train.resume:
+        return spec, ""
+    try:
+        step = sync.fetch()
+    except httpx.HTTPError as exc:
+        step = None
+        print(f"checkpoint fetch failed: {exc}", file=sys.stderr, flush=True)
+    if step is None:
+        train = spec.train.model_copy(update={"resume": None})
+        return spec.model_copy(update={"train": train}), "no complete checkpoint exists: starting from step 0"
+    train = spec.train.model_copy(update={"resume": str(sync.root)})
+    return spec.model_copy(update={"train": train}), f"resuming from the checkpoint of step {step}"
+
+
+def supervise(spec: AttemptSpec, run_dir: Path) -> str:
+    """Run the sub-task to its end; returns the runner's final phase."""
+    client = _client(spec)
+    ckpt = run_dir.parent.parent / "checkpoints"
+    sync = CheckpointSync(ckpt, spec, client)
+    spec, note = _prepare(spec, sync)
+    if note:
+        print(note, flush=True)
+    code = fetch_code(spec, run_dir.parent.parent, client)
+    workers = _start(spec, run_dir, ckpt, code)
+    relay = Relay(run_dir, spec, client)
+    stop: dict[str, str | None] = {"why": None}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(why="Cancelled"))
-    deadline = time.monotonic() + spec.timeout_seconds
-    phase = "Running"
-    collateral: set[int] = set()
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    runner = "Running"
     while True:
         for w in workers:
             if w.exit_code is None:
                 w.exit_code = w.proc.poll()
-        sites = _site_states(spec, workers, collateral)
-        failed = {s["index"] for s in sites if s["phase"] == "Failed"}
-        if failed:
-            _kill(workers, failed)  # a site whose worker died is gone as a whole
-            if not spec.elastic and not collateral:  # a synchronous job stops with its first failed site
-                collateral = {s.index for s in spec.sites} - failed
-                _kill(workers)
+        phase, message = _state(workers)
+        if phase == "Failed":
+            _kill(workers)  # a site whose worker died is gone as a whole
         if stop["why"] or time.monotonic() > deadline:
-            phase = stop["why"] or "TimedOut"
+            runner = stop["why"] or "TimedOut"
             _kill(workers)
-        relay.collect([w.rank for w in workers])
+        relay.collect()
         relay.flush()
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            sync.push()
         done = all(w.exit_code is not None for w in workers)
-        _write_status(run_dir, {"phase": "Finished" if done and phase == "Running" else phase,
-                                "pid": os.getpid(), "job": spec.job, "attempt": spec.attempt, "sites": sites,
-                                "at": time.time()})
+        codes = {str(w.rank): w.exit_code for w in workers}
+        _write_status(run_dir, {"phase": "Finished" if done and runner == "Running" else runner,
+                                "message": message or note,
+                                "subtask": {"phase": phase, "exitCodes": codes, "pids": [w.proc.pid for w in workers]}})
         if done:
             break
-        time.sleep(0.5)
+        time.sleep(POLL_SECONDS)
     for _ in range(5):
-        relay.collect([w.rank for w in workers])
+        relay.collect()
         relay.flush()
-        if not relay.pending or not relay.url:
+        if not relay.pending:
             break
         time.sleep(1)
-    return phase
+    with contextlib.suppress(httpx.HTTPError, OSError):
+        sync.push()
+    if runner == "Running" and _state(workers)[0] == "Succeeded":
+        try:
+            push_final(spec, run_dir, client)
+        except (httpx.HTTPError, OSError) as exc:
+            print(f"final weights upload failed: {exc}", file=sys.stderr, flush=True)
+    return runner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,20 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m cpn.runtime.jobrunner RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(args[0])
-    spec = RunnerSpec.model_validate_json((run_dir / "runner.json").read_text())
-    _write_status(run_dir, {"phase": "Starting", "pid": os.getpid(), "job": spec.job, "attempt": spec.attempt,
-                            "sites": [], "at": time.time()})
     try:
-        if spec.wan_emulation:
-            from cpn.runtime.netem import WanEmulator
-
-            with WanEmulator(spec.topology) as wan:
-                supervise(spec, run_dir, wan)
-        else:
-            supervise(spec, run_dir)
-    except Exception as exc:  # noqa: BLE001 - report, never leave the orchestrator guessing
-        _write_status(run_dir, {"phase": "Error", "pid": os.getpid(), "job": spec.job, "attempt": spec.attempt,
-                                "sites": [], "message": f"{type(exc).__name__}: {exc}", "at": time.time()})
+        spec = AttemptSpec.model_validate_json((run_dir / "spec.json").read_text())
+        _write_status(run_dir, {"phase": "Starting", "subtask": {"phase": "Launching"}})
+        supervise(spec, run_dir)
+    except Exception as exc:  # noqa: BLE001 - report, never leave the agent guessing
+        _write_status(run_dir, {"phase": "Error", "message": f"{type(exc).__name__}: {exc}"})
         return 1
     return 0
 

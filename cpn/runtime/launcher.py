@@ -31,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from cpn.runtime.contract import torchrun_env  # the one builder of the torchrun variables
 from cpn.runtime.netem import WanEmulator
 from cpn.runtime.topology import Topology
 
@@ -147,17 +148,8 @@ def _worker_env(
 ) -> dict[str, str]:
     site = topology.site_of(rank)
     env = {"OMP_NUM_THREADS": "1", **os.environ, **extra}
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(topology.world_size),
-        LOCAL_RANK=str(topology.local_rank(rank)),
-        LOCAL_WORLD_SIZE=str(topology.sites[site].ranks),
-        GROUP_RANK=str(site),
-        MASTER_ADDR=master,
-        MASTER_PORT=str(port),
-        PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-        **topology.to_env(),
-    )
+    env.update(torchrun_env(topology, rank, topology.local_rank(rank), topology.sites[site].ranks, master, port))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return env
 
 

@@ -2,7 +2,9 @@
 
 A report is one flat dict in the wire shape the orchestrator reads (camelCase keys):
 ``{rank, site, step, tokens, trainLoss, valLoss, tokensPerSecond, computeSeconds, commSeconds,
-waitSeconds, intraBytes, wanBytes, gpuSeconds, final, wallSeconds}``. Sinks never raise into the
+waitSeconds, intraBytes, wanBytes, gpuSeconds, final, wallSeconds}``. ``gpuSeconds`` is how long
+the rank has held its device (one GPU, or one CPU slot on a GPU-less site) since it bound it: what
+metering bills and what the compute model predicts (GPUs x wall time). Sinks never raise into the
 training loop: a sink that fails logs once and keeps going.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -90,6 +93,37 @@ class HttpSink:
 
 
 @dataclass
+class LogSink:
+    """One human line per validation, at most one other every `every` seconds, and the last: what a
+    user reads in `cpnctl logs` (stderr, so the summary on stdout stays machine-readable)."""
+
+    def __init__(self, every: float = 10.0, stream: Any = None):
+        self.every, self.stream, self.last = every, stream, -every
+
+    def emit(self, report: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if report.get("valLoss") is None and not report.get("final") and now - self.last < self.every:
+            return
+        self.last = now
+        tokens = report.get("jobTokens") or report["tokens"]  # the job-wide count where the strategy keeps one
+        parts = [f"step {report['step']}", f"{tokens:,} tokens"]
+        for key, label in (("trainLoss", "train loss"), ("valLoss", "val loss")):
+            if report.get(key) is not None:
+                parts.append(f"{label} {report[key]:.4f}")
+        parts.append(f"{report.get('tokensPerSecond', 0.0):,.0f} tokens/s")
+        if report.get("wanBytes"):
+            parts.append(f"WAN {report['wanBytes'] / 1e6:,.1f} MB")
+        if report.get("final"):
+            parts.append("done")
+        print(" · ".join(parts), file=self.stream or sys.stderr, flush=True)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Timers:
     """Where a rank's wall time went: computing, communicating, or waiting for peers."""
 
@@ -121,21 +155,23 @@ class _Timed:
 class Recorder:
     """Builds reports for one rank and fans them out to its sinks."""
 
-    def __init__(self, *, rank: int, site: int, sinks: list[MetricsSink]):
+    def __init__(self, *, rank: int, site: int, sinks: list[MetricsSink], device_since: float | None = None):
         self.rank, self.site, self.sinks = rank, site, sinks
         self.t0 = time.perf_counter()
+        self.device_since = self.t0 if device_since is None else device_since
         self.curve: list[dict[str, Any]] = []  # the reports that carry a validation loss
 
     def report(self, *, step: int, tokens: int, timers: Timers, train_loss: float | None,
                val_loss: float | None = None, final: bool = False, **extra: Any) -> dict[str, Any]:
-        wall = time.perf_counter() - self.t0
+        now = time.perf_counter()
+        wall = now - self.t0
         report = {
             "rank": self.rank, "site": self.site, "step": step, "tokens": tokens,
             "trainLoss": train_loss, "valLoss": val_loss,
             "tokensPerSecond": tokens / wall if wall > 0 else 0.0,
             "computeSeconds": round(timers.compute, 4), "commSeconds": round(timers.comm, 4),
             "waitSeconds": round(timers.wait, 4), "intraBytes": timers.intra_bytes,
-            "wanBytes": timers.wan_bytes, "gpuSeconds": 0.0, "wallSeconds": round(wall, 4),
+            "wanBytes": timers.wan_bytes, "gpuSeconds": round(now - self.device_since, 4), "wallSeconds": round(wall, 4),
             "final": final, **extra,
         }
         if val_loss is not None:
@@ -159,17 +195,11 @@ def default_sinks(rank: int, run_dir: str | Path | None) -> list[MetricsSink]:
     sinks: list[MetricsSink] = []
     if run_dir:
         sinks.append(FileSink(Path(run_dir) / "metrics" / f"rank{rank}.jsonl"))
+        sinks.append(LogSink())
     url = os.environ.get("CPN_METRICS_URL")
     if url:
         sinks.append(HttpSink(url, os.environ.get("CPN_METRICS_TOKEN")))
     return sinks
-
-
-def read_reports(run_dir: str | Path, rank: int = 0) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
@@ -215,6 +245,7 @@ def summarize(finals: dict[int, dict[str, Any]], curve: list[dict[str, Any]], **
         "compute_seconds": round(compute, 3),
         "comm_seconds": round(comm, 3),
         "wait_seconds": round(wait, 3),
+        "gpu_seconds": round(sum(r.get("gpuSeconds", 0.0) for r in reports), 3),
         "compute_utilization": round(compute / busy, 4),
         "comm_fraction": round(comm / busy, 4),
         "finished_ranks": sorted(finals),

@@ -7,34 +7,14 @@ attention. The presets span ~0.1M (tests) to ~100M parameters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpn.runtime.presets import PRESETS, ModelConfig
 
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    max_seq_len: int = 512
-    mlp_ratio: int = 4
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} must be a multiple of n_heads {self.n_heads}")
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=256),
-    "small": ModelConfig(d_model=128, n_layers=4, n_heads=4),
-    "medium": ModelConfig(d_model=256, n_layers=6, n_heads=8),
-    "base": ModelConfig(d_model=512, n_layers=8, n_heads=8, max_seq_len=1024),
-    "large": ModelConfig(d_model=768, n_layers=14, n_heads=12, max_seq_len=1024),
-}
+__all__ = ["PRESETS", "ModelConfig", "TransformerLM", "build_model", "count_parameters"]
 
 
 class Block(nn.Module):
@@ -94,13 +74,17 @@ class TransformerLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def build_model(preset: str, *, seed: int = 0) -> TransformerLM:
-    """Every rank builds the same initial weights from the seed, so no initial broadcast is needed."""
+def build_model(preset: str, *, seed: int = 0, device: torch.device | str = "cpu") -> TransformerLM:
+    """Every rank builds the same initial weights from the seed, so no initial broadcast is needed.
+
+    The weights are drawn on the host (the CPU generator is the same everywhere, so a GPU site and
+    a CPU site start alike) and then moved to ``device``."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}: pick one of {sorted(PRESETS)}")
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(seed)
-        return TransformerLM(PRESETS[preset])
+        model = TransformerLM(PRESETS[preset])
+    return model.to(device)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -9,7 +9,9 @@
 Ranks of one site share a namespace, so intra-site traffic stays on that namespace's loopback (fast)
 and only inter-site traffic crosses the veths, which are rate-limited: ``tbf`` at the site uplink
 rate on both ends, or — when the topology lists per-pair links — an ``htb`` class per destination
-site (``u32`` filter on the destination IP) under the uplink rate.  ``tc netem`` is not available on
+site (``u32`` filter on the destination IP) under the uplink rate.  A regional topology
+(:meth:`Topology.regional`) lists a link for every pair of sites and no uplink, so each pair runs at
+its own class's rate: metro links inside a region, long-haul links between regions.  ``tc netem`` is not available on
 these machines, so latency is not emulated; the cost model in :mod:`cpn.runtime.costmodel` adds it.
 
 Everything is named ``cpnw`` + the owning process id, so a run killed with SIGKILL leaves objects
@@ -107,7 +109,9 @@ class WanEmulator:
         per_link: bool = True,
         burst_kb: int = 256,
         latency_ms: int = 100,
+        join_host: bool = False,
     ) -> None:
+        self.join_host = join_host
         self.topology = topology
         self.wan_mbps = wan_mbps or topology.wan_mbps
         self.per_link = per_link and bool(topology.links)
@@ -146,6 +150,10 @@ class WanEmulator:
         self._up = True
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "link", "set", self.bridge, "up")
+        # the root namespace (the API server's machine) joins the WAN at HOST_IP: site agents reach the
+        # server through their shaped veths, like a site behind its uplink would
+        if self.join_host:
+            _run("ip", "addr", "add", f"{self.host_addr}/24", "dev", self.bridge)
         for site in self.sites:
             self._add_site(site)
         for site in self.sites:
@@ -298,10 +306,29 @@ class WanEmulator:
                 cls,
             )
 
+    def pair_rates(self) -> dict[tuple[int, int], float | None]:
+        """What each (sender site, receiver site) pair is shaped to, Mbit/s (None: unshaped)."""
+        out: dict[tuple[int, int], float | None] = {}
+        for a in self.sites:
+            up = self.uplink_mbps(a.index)
+            for b in self.sites:
+                if a.index == b.index:
+                    continue
+                names = (self.topology.sites[a.index].name, self.topology.sites[b.index].name)
+                link = self.topology.link(*names) if self.per_link else None
+                rates = [x for x in (up, link.bandwidth_mbps if link else None) if x is not None]
+                out[(a.index, b.index)] = min(rates) if rates else None
+        return out
+
     # ------------------------------------------------------------------ for the launcher
     @property
     def master_addr(self) -> str:
         return self.sites[0].ip
+
+    @property
+    def host_addr(self) -> str:
+        """The root namespace's address on the emulated WAN (where a local API server listens)."""
+        return f"{SUBNET}.254"
 
     def wrap(self, site: int, argv: list[str]) -> list[str]:
         """Run ``argv`` inside the site's namespace."""

@@ -28,7 +28,7 @@ class TopologyError(ValueError):
     """A topology that cannot run the requested job; the message says how to fix it."""
 
 
-class SiteSpec(BaseModel):
+class TopologySite(BaseModel):
     """One site: how many worker ranks it runs, which of them leads, its WAN uplink rate."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -37,6 +37,16 @@ class SiteSpec(BaseModel):
     ranks: int = Field(ge=1, description="worker processes (GPUs) at this site")
     leader: int = Field(default=0, ge=0, description="local index of the rank that talks for the site")
     uplink_mbps: float | None = Field(default=None, gt=0, description="site uplink in Mbit/s")
+    region: str | None = Field(
+        default=None,
+        min_length=1,
+        description="region label (sites of one region share metro links); None: a region of its own",
+    )
+
+    @property
+    def region_name(self) -> str:
+        """The site's region; a site without a label is a region of its own (named after the site)."""
+        return self.region or self.name
 
     @model_validator(mode="after")
     def _leader_in_range(self) -> SiteSpec:
@@ -48,7 +58,7 @@ class SiteSpec(BaseModel):
         return self
 
 
-class LinkSpec(BaseModel):
+class TopologyLink(BaseModel):
     """A WAN link between two sites (symmetric): its bandwidth and round-trip time."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -60,6 +70,12 @@ class LinkSpec(BaseModel):
 
     def joins(self, x: str, y: str) -> bool:
         return {self.a, self.b} == {x, y}
+
+
+# the names the runtime's callers use; the classes carry distinct names so the API's OpenAPI document
+# does not confuse them with the resource layer's SiteSpec/LinkSpec
+SiteSpec = TopologySite
+LinkSpec = TopologyLink
 
 
 class Topology(BaseModel):
@@ -116,6 +132,43 @@ class Topology(BaseModel):
         return cls(sites=specs, links=links, wan_mbps=wan_mbps)
 
     @classmethod
+    def regional(
+        cls,
+        regions: int,
+        sites_per_region: int,
+        workers_per_site: int,
+        metro_mbps: float | None = None,
+        wan_mbps: float | None = None,
+        metro_rtt_ms: float = 0.0,
+        wan_rtt_ms: float = 0.0,
+    ) -> Topology:
+        """``regions`` x ``sites_per_region`` sites of W ranks, region by region in ring order.
+
+        With rates it lists a link for every pair of sites: ``metro_mbps`` inside a region,
+        ``wan_mbps`` (long-haul) between regions.  No site uplink is set, so each pair runs at its
+        link's rate (what :class:`cpn.runtime.netem.WanEmulator` shapes with per-pair htb classes).
+        """
+        if regions < 1 or sites_per_region < 1 or workers_per_site < 1:
+            raise TopologyError(
+                f"need at least one region, site per region and worker per site, got regions={regions} "
+                f"sites_per_region={sites_per_region} workers_per_site={workers_per_site}"
+            )
+        specs = [
+            SiteSpec(name=f"site{r * sites_per_region + i}", ranks=workers_per_site, region=f"region{r}")
+            for r in range(regions)
+            for i in range(sites_per_region)
+        ]
+        links = []
+        for i, a in enumerate(specs):
+            for b in specs[i + 1 :]:
+                metro = a.region == b.region
+                rate = metro_mbps if metro else wan_mbps
+                if rate is not None:
+                    rtt = metro_rtt_ms if metro else wan_rtt_ms
+                    links.append(LinkSpec(a=a.name, b=b.name, bandwidth_mbps=rate, rtt_ms=rtt))
+        return cls(sites=specs, links=links)
+
+    @classmethod
     def from_catalog(
         cls,
         source: str | Path | Iterable[Mapping[str, Any]],
@@ -145,6 +198,7 @@ class Topology(BaseModel):
                 name=n,
                 ranks=workers_per_site or max(ranks[n], 1),
                 uplink_mbps=_uplink_mbps(d),
+                region=(d.get("spec") or {}).get("region") or None,
             )
             for n, d in zip(names, site_docs, strict=True)
         ]
@@ -205,6 +259,59 @@ class Topology(BaseModel):
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} is outside this topology's world of {self.world_size} ranks")
+
+    # ----------------------------------------------------------------- regions
+    @property
+    def region_names(self) -> list[str]:
+        """Regions in order of first appearance in the ring (each unlabelled site is its own)."""
+        return list(dict.fromkeys(s.region_name for s in self.sites))
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.region_names)
+
+    def region_of(self, site: int) -> int:
+        """Index (into :attr:`region_names`) of a site's region."""
+        return self.region_names.index(self.sites[site].region_name)
+
+    def sites_in_region(self, region: int) -> list[int]:
+        name = self.region_names[region]
+        return [i for i, s in enumerate(self.sites) if s.region_name == name]
+
+    @property
+    def is_regular(self) -> bool:
+        """Every site has the same ranks and every region the same number of sites (what the
+        ``multilevel`` all-reduce needs)."""
+        return self.is_uniform and len({len(self.sites_in_region(r)) for r in range(self.num_regions)}) == 1
+
+    def level_sizes(self) -> tuple[int, int, int]:
+        """(workers per site W, sites per region R, regions G) of a regular topology."""
+        if not self.is_regular:
+            per_region = [len(self.sites_in_region(r)) for r in range(self.num_regions)]
+            raise TopologyError(
+                f"a multi-level all-reduce needs equal sites: ranks per site {[s.ranks for s in self.sites]}, "
+                f"sites per region {per_region}; even them out or use the `leader` algorithm"
+            )
+        return self.sites[0].ranks, len(self.sites_in_region(0)), self.num_regions
+
+    def level_ranks(self, rank: int) -> list[list[int]]:
+        """The three groups ``rank`` belongs to in a multi-level all-reduce, in ring order:
+        its site's ranks; the ranks of the same local index at the sites of its region; the ranks
+        of the same local index and the same position-in-region in every region."""
+        site = self.site_of(rank)
+        local = self.local_rank(rank)
+        region = self.region_of(site)
+        members = self.sites_in_region(region)
+        pos = members.index(site)
+        metro = [self.global_rank(s, local) for s in members]
+        wan = [self.global_rank(self.sites_in_region(r)[pos], local) for r in range(self.num_regions)]
+        return [self.ranks_of(site), metro, wan]
+
+    def link_class(self, a: int, b: int) -> str:
+        """``site`` (same site), ``metro`` (same region) or ``wan`` (between regions) for site indices."""
+        if a == b:
+            return "site"
+        return "metro" if self.region_of(a) == self.region_of(b) else "wan"
 
     # ----------------------------------------------------------------- links
     def link(self, a: str, b: str) -> LinkSpec | None:

@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from cpn.runtime import checkpoint, faults
+from cpn.runtime.autotune import resolve
 from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, TrainConfig
 from cpn.runtime.data import ShardSampler, load_corpus, split_corpus, val_batches
+from cpn.runtime.device import autocast, select_device, synchronize
 from cpn.runtime.groups import init_groups
 from cpn.runtime.launcher import launch
 from cpn.runtime.metrics import Recorder, default_sinks, gather_finals, summarize, write_summary
@@ -33,21 +35,32 @@ FINAL_MODEL = "final_model.pt"
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list) -> float:
-    return sum(model.loss(x, y).item() for x, y in batches) / len(batches)
+def evaluate(model: torch.nn.Module, batches: list, precision: str = "fp32") -> float:
+    if not batches:
+        return float("nan")
+    device = batches[0][0].device
+    with autocast(device, precision):
+        return sum(model.loss(x, y).item() for x, y in batches) / len(batches)
 
 
 def setup(cfg: TrainConfig) -> tuple[Context, Strategy]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    groups = init_groups(timeout=timedelta(seconds=max(600.0, 4 * cfg.strategy.wan_timeout_seconds)))
+    bound_at = time.perf_counter()
+    device = select_device(cfg.device.kind)
+    groups = init_groups(timeout=timedelta(seconds=max(600.0, 4 * cfg.strategy.wan_timeout_seconds)),
+                         device=device, wan_backend=cfg.device.wan_backend)
+    cfg = resolve(cfg, groups.topology)  # a no-op when the launcher resolved the defaults already
     split = split_corpus(load_corpus(cfg.corpus_bytes))
     world = groups.world_size
     sampler = ShardSampler(split.train, shard=groups.rank, num_shards=world, seq_len=cfg.seq_len, seed=cfg.seed)
     ckpt_dir = cfg.checkpoint_dir or os.environ.get(ENV_CHECKPOINT_DIR)
+    shares = cfg.shares(world)
     ctx = Context(cfg=cfg, groups=groups, store=dist.distributed_c10d._get_default_store(),
-                  model=build_model(cfg.model, seed=cfg.seed), sampler=sampler,
-                  micro_batch=cfg.sequences_per_worker(world), checkpoint_dir=Path(ckpt_dir) if ckpt_dir else None)
-    ctx.val = val_batches(split.val, seq_len=cfg.seq_len, batches=cfg.val_batches) if groups.rank == 0 else []
+                  model=build_model(cfg.model, seed=cfg.seed, device=device), sampler=sampler,
+                  micro_batch=shares[groups.rank], shares=shares, checkpoint_dir=Path(ckpt_dir) if ckpt_dir else None,
+                  bound_at=bound_at)
+    val = val_batches(split.val, seq_len=cfg.seq_len, batches=cfg.val_batches) if groups.rank == 0 else []
+    ctx.val = [(x.to(device), y.to(device)) for x, y in val]
     strategy = build_strategy(ctx)
     if ctx.checkpoint_dir is not None and groups.rank == 0:  # what `cpn train --resume DIR` restarts from
         checkpoint.atomic_write_json(cfg.model_dump(), ctx.checkpoint_dir / "config.json")
@@ -64,28 +77,35 @@ def setup(cfg: TrainConfig) -> tuple[Context, Strategy]:
 
 def train(ctx: Context, strategy: Strategy, recorder: Recorder) -> tuple[int, int]:
     """The loop: micro-batch forward/backward here, everything else in the strategy."""
-    cfg, model, timers = ctx.cfg, ctx.model, ctx.timers
+    cfg, model, timers, device = ctx.cfg, ctx.model, ctx.timers, ctx.device
+    precision = cfg.device.precision
     step, tokens = strategy.start_step, 0
     if ctx.rank == 0:
-        recorder.report(step=step, tokens=0, timers=timers, train_loss=None, val_loss=evaluate(model, ctx.val),
-                        jobTokens=step * cfg.global_batch_tokens)
+        recorder.report(step=step, tokens=0, timers=timers, train_loss=None,
+                        val_loss=evaluate(model, ctx.val, precision), jobTokens=step * cfg.global_batch_tokens)
     while not strategy.should_stop(step):
         if faults.should_kill(cfg.faults, ctx.site, step):
             faults.die([recorder.close])
-        x, y = ctx.sampler.batch(step, ctx.micro_batch)
+        x, y = (t.to(device, non_blocking=True) for t in ctx.sampler.batch(step, ctx.micro_batch))
         strategy.before_step(step)
         strategy.set_lr(step)
         t0 = time.perf_counter()
-        loss = model.loss(x, y)
+        with autocast(device, precision):
+            loss = model.loss(x, y)
         loss.backward()
+        synchronize(device)
         compute = time.perf_counter() - t0
-        timers.add("compute", compute + faults.slow_down(cfg.faults, ctx.site, compute))
+        busy = compute + faults.slow_down(cfg.faults, ctx.site, compute)
+        timers.add("compute", busy)
+        ctx.busy_seconds += busy
+        ctx.sequences_done += ctx.micro_batch
         strategy.after_backward(step)
         step, tokens = step + 1, tokens + ctx.step_tokens
+        strategy.rebalance(step)
         val = None
         if ctx.rank == 0 and step % cfg.val_every == 0:
             with timers.timed("compute"):
-                val = evaluate(model, ctx.val)
+                val = evaluate(model, ctx.val, precision)
         recorder.report(step=step, tokens=tokens, timers=timers, train_loss=loss.item(), val_loss=val,
                         jobTokens=int(strategy.progress * cfg.tokens))
         if strategy.checkpoint_due(step):
@@ -100,9 +120,9 @@ def train(ctx: Context, strategy: Strategy, recorder: Recorder) -> tuple[int, in
 def run_worker(cfg: TrainConfig, run_dir: str | None = None) -> dict | None:
     """One rank's whole life; rank 0 returns (and writes) the run summary."""
     ctx, strategy = setup(cfg)
-    recorder = Recorder(rank=ctx.rank, site=ctx.site, sinks=default_sinks(ctx.rank, run_dir))
+    recorder = Recorder(rank=ctx.rank, site=ctx.site, sinks=default_sinks(ctx.rank, run_dir), device_since=ctx.bound_at)
     step, tokens = train(ctx, strategy, recorder)
-    val = evaluate(ctx.model, ctx.val) if ctx.rank == 0 else None
+    val = evaluate(ctx.model, ctx.val, cfg.device.precision) if ctx.rank == 0 else None
     final = recorder.report(step=step, tokens=tokens, timers=ctx.timers, train_loss=None, val_loss=val, final=True,
                             jobTokens=int(strategy.progress * cfg.tokens) if strategy.global_budget else step * cfg.global_batch_tokens)
     recorder.close()
@@ -143,6 +163,41 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def preflight(config: TrainConfig, topology: Topology) -> None:
+    """What a worker would find wrong with this config on this topology, found before any starts."""
+    from cpn.runtime.data import VAL_FRACTION
+
+    world, sites = topology.world_size, topology.num_sites
+    config = resolve(config, topology)
+    config.shares(world)
+    s, f = config.strategy, config.faults
+    if s.name == "async_ps" and s.ps > world:
+        raise ValueError(f"strategy.ps {s.ps} exceeds the {world} ranks of the job: use at most {world}")
+    if s.name == "hierarchical" and not topology.is_uniform:
+        raise ValueError(f"hierarchical needs the same number of workers at every site, got "
+                         f"{[x.ranks for x in topology.sites]}: use ddp or even out the sites")
+    for name, site in (("faults.slow_site", f.slow_site), ("faults.kill_site", f.kill_site)):
+        if site is not None and site >= sites:
+            raise ValueError(f"{name} {site} is not one of the {sites} sites (0..{sites - 1})")
+    shard = int(config.corpus_bytes * (1 - VAL_FRACTION)) // world
+    if shard <= config.seq_len + 1:
+        raise ValueError(f"each of {world} workers would get {shard} bytes of corpus, too few for seq_len "
+                         f"{config.seq_len}: raise corpus_bytes or use fewer workers")
+
+
+def failure_lines(results: list, planned: set[int]) -> list[str]:
+    """Each failing rank's last error line (the exception, not the traceback around it)."""
+    lines = []
+    for r in results:
+        if r.exit_code == 0 or r.exit_code in planned:
+            continue
+        tail = [line.strip() for line in r.log.splitlines() if line.strip()]
+        errors = [line for line in tail if "Error" in line or "Exception" in line or line.startswith("RuntimeError")]
+        cause = (errors or tail or ["(no output)"])[-1]
+        lines.append(f"rank {r.rank} (site {r.site}) exited {r.exit_code}: {cause[:300]}")
+    return lines
+
+
 def run_local(config: TrainConfig, topology: Topology, wan_mbps: float | None = None,
               run_dir: str | Path | None = None, timeout: float = 3600.0,
               env: dict[str, str] | None = None, start_method: str = "spawn") -> dict:
@@ -150,6 +205,8 @@ def run_local(config: TrainConfig, topology: Topology, wan_mbps: float | None = 
 
     ``start_method="fork"`` (no WAN emulation) skips each rank's torch import: what the tests use.
     """
+    config = resolve(config, topology, wan_mbps)
+    preflight(config, topology)
     run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="cpn-train-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)
@@ -160,9 +217,13 @@ def run_local(config: TrainConfig, topology: Topology, wan_mbps: float | None = 
                      failure_grace=timeout if killing else 10.0, capture_output=True, check=False,
                      start_method=start_method)
     planned = {faults.KILLED_EXIT_CODE} if killing else set()
-    bad = [r for r in results if r.exit_code != 0 and r.exit_code not in planned]
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    for r in results:
+        (logs / f"rank{r.rank}.log").write_text(r.log)
+    bad = failure_lines(results, planned)
     summary_path = run_dir / "summary.json"
     if bad or not summary_path.exists():
-        logs = "\n".join(f"--- rank {r.rank} exited {r.exit_code}:\n{r.log[-1500:]}" for r in (bad or results))
-        raise RuntimeError(f"training failed ({len(bad)} ranks), logs in rank order:\n{logs}")
+        causes = "; ".join(bad) or "no summary was written"
+        raise RuntimeError(f"training failed: {causes} (logs in {logs})")
     return json.loads(summary_path.read_text())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -69,9 +68,3 @@ async def snapshot(session: AsyncSession, heartbeat_timeout: timedelta, now: dat
                 driver=cluster.driver))
     return offers, links, clusters
 
-
-def per_cluster_free(clusters: list[ClusterView], leased: dict[str, int]) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for c in clusters:
-        out[c.name] = free_of(c, leased)
-    return out

@@ -11,6 +11,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
+from cpn.core.principal import Principal, Role
 from layers.control.models import LeaseRow
 from layers.resource.models import ClusterRow
 from layers.resource.stores import is_ready
@@ -86,6 +87,18 @@ async def expire(session: AsyncSession, now: datetime | None = None) -> list[str
     return sorted({r.job for r in rows})
 
 
+async def visible(session: AsyncSession, principal: Principal, job: str | None = None) -> list[LeaseRow]:
+    """Leases the caller may see: a provider those on its clusters, a user those of its jobs."""
+    rows = await active(session, job=job)
+    if principal.role is Role.PROVIDER:
+        mine = set((await session.execute(select(ClusterRow.name).where(ClusterRow.owner_id == principal.account_id)))
+                   .scalars())
+        return [r for r in rows if r.cluster in mine]
+    if not principal.is_admin:
+        return [r for r in rows if r.owner_id == principal.account_id]
+    return rows
+
+
 async def active(session: AsyncSession, job: str | None = None, owner_id: str | None = None) -> list[LeaseRow]:
     stmt = select(LeaseRow).order_by(LeaseRow.created_at)
     if job is not None:
@@ -93,3 +106,9 @@ async def active(session: AsyncSession, job: str | None = None, owner_id: str | 
     if owner_id is not None:
         stmt = stmt.where(LeaseRow.owner_id == owner_id)
     return list((await session.execute(stmt)).scalars())
+
+
+async def holders(session: AsyncSession, cluster_id: str) -> list[str]:
+    """The jobs holding active leases on a cluster: what blocks retiring it."""
+    stmt = select(LeaseRow.job).where(LeaseRow.cluster_id == cluster_id, LeaseRow.state == "active").distinct()
+    return sorted((await session.execute(stmt)).scalars())

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
 from cpn.core.principal import Principal
+from cpn.core.store import RETIRED
 from layers.resource.models import ClusterRow, LinkRow, SiteRow
 from layers.resource.schemas import HeartbeatRequest
 from layers.resource.stores import is_ready
@@ -72,6 +73,7 @@ async def inventory(session: AsyncSession, heartbeat_timeout: timedelta,
     """Every cluster with its live state, and every link, in two queries."""
     now = now or datetime.now(UTC)
     rows = (await session.execute(select(ClusterRow, SiteRow).join(SiteRow, SiteRow.id == ClusterRow.site_id)
+                                  .where(ClusterRow.name.not_like(f"{RETIRED}%"))  # retired: no new work
                                   .order_by(ClusterRow.name))).all()
     clusters = []
     for cluster, site in rows:

@@ -36,6 +36,8 @@ CATALOGUE: tuple[GpuModelInfo, ...] = (
                  intra_node_gbps=64, inter_node_gbps=25, marker="RTX-4090"),
 )
 
+CPU_SLOT_MODEL = "CPU"
+CPU_SLOT_TFLOPS = 0.05  # one core's worth of fp32 training, measured (docs/benchmarks/calibration.md); one source
 _BY_MODEL = {info.model: info for info in CATALOGUE}
 _MEMORY_RE = re.compile(r"(?<![0-9])(\d{2,3})GB")
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
+
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core.kinds import AGE, Column, Kind, KindRegistry
 from layers.resource.schemas import ClusterManifest, LinkManifest, SiteManifest
 from layers.resource.stores import ClusterStore, LinkStore, SiteStore
 
 
-def register(registry: KindRegistry, heartbeat_timeout: timedelta) -> None:
+def register(registry: KindRegistry, heartbeat_timeout: timedelta,
+             cluster_holders: Callable[[AsyncSession, str], Awaitable[list[str]]] | None = None) -> None:
     clusters = ClusterStore()
     clusters.heartbeat_timeout = heartbeat_timeout
+    clusters.holders = cluster_holders
     registry.register(Kind(
         kind="Site", plural="sites", short_names=("st",), manifest=SiteManifest, store=SiteStore(), order=10,
         columns=(Column("REGION", "{spec.region}"), Column("PROVIDER", "{spec.provider}"),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, WithJsonSchema, field_validator, model_validator
 
 from cpn.core.manifest import CamelModel, Condition, ManifestBase, Money, Name
 
@@ -19,7 +19,8 @@ class Location(CamelModel):
 
 
 class SiteSpec(CamelModel):
-    region: str = Field(description="Region for data-residency constraints, e.g. eu-central")
+    region: str = Field(description="Region for data-residency constraints, e.g. eu-central",
+                        json_schema_extra={"pattern": REGION_RE.pattern, "maxLength": 63})
     location: Location | None = None
     provider: str | None = Field(default=None, description="Set by the server from the token; ignored on input.")
 
@@ -48,7 +49,9 @@ class NodePool(CamelModel):
     gpu: GpuSpec
     gpus_per_node: int = Field(gt=0, le=64)
     nodes: int = Field(gt=0, le=100_000)
-    price_per_gpu_hour: Money
+    price_per_gpu_hour: Annotated[Money, WithJsonSchema({  # more than zero
+        "anyOf": [{"type": "string", "pattern": r"^(?=[0-9.]*[1-9])[0-9]+(\.[0-9]{1,6})?$"},
+                  {"type": "integer", "minimum": 1}], "description": "Price of one GPU-hour (more than 0)"})]
 
     @field_validator("price_per_gpu_hour")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar
 
@@ -12,7 +13,7 @@ from cpn.core import errors
 from cpn.core.db import as_utc
 from cpn.core.manifest import set_condition
 from cpn.core.principal import Principal, Role
-from cpn.core.store import ResourceRow, ResourceStore
+from cpn.core.store import RETIRED, ResourceRow, ResourceStore
 from layers.resource.models import ClusterRow, LinkRow, SiteRow
 from layers.resource.schemas import ClusterManifest, LinkManifest, SiteManifest
 
@@ -35,13 +36,20 @@ class SiteStore(ResourceStore):
         row.region = obj.spec.region  # type: ignore[attr-defined]
 
     async def before_delete(self, session: AsyncSession, principal: Principal, row: ResourceRow) -> None:
-        clusters = await session.scalar(select(func.count()).select_from(ClusterRow)
-                                        .where(ClusterRow.site_id == row.id))
-        links = await session.scalar(select(func.count()).select_from(LinkRow)
-                                     .where(or_(LinkRow.site_a_id == row.id, LinkRow.site_b_id == row.id)))
+        clusters = list((await session.execute(select(ClusterRow.name).where(
+            ClusterRow.site_id == row.id, ClusterRow.name.not_like(f"{RETIRED}%")).order_by(ClusterRow.name)))
+            .scalars())
+        links = list((await session.execute(select(LinkRow.name).where(
+            or_(LinkRow.site_a_id == row.id, LinkRow.site_b_id == row.id)).order_by(LinkRow.name))).scalars())
         if clusters or links:
-            raise errors.InUse(f"site {row.name!r} still has {clusters} cluster(s) and {links} link(s); "
-                               "delete them first")
+            what = [f"cluster(s) {', '.join(clusters)}" if clusters else "", f"link(s) {', '.join(links)}" if links else ""]
+            raise errors.InUse(f"site {row.name!r} still has {' and '.join(w for w in what if w)}; "
+                               "delete them first (clusters with history are retired, not lost)")
+
+    async def has_history(self, session: AsyncSession, row: ResourceRow) -> bool:
+        """Retired clusters (and so their leases and bills) still point at the site."""
+        return bool(await session.scalar(select(func.count()).select_from(ClusterRow)
+                                         .where(ClusterRow.site_id == row.id)))
 
 
 async def site_by_name(session: AsyncSession, name: str) -> SiteRow | None:
@@ -54,6 +62,18 @@ class ClusterStore(ResourceStore):
     manifest = ClusterManifest
     create_roles: ClassVar[frozenset[Role]] = PROVIDERS
     heartbeat_timeout = timedelta(seconds=60)
+    # the jobs holding a cluster (control layer, passed in by the wiring: this layer cannot look up)
+    holders: Callable[[AsyncSession, str], Awaitable[list[str]]] | None = None
+
+    async def before_delete(self, session: AsyncSession, principal: Principal, row: ResourceRow) -> None:
+        jobs = await self.holders(session, row.id) if self.holders else []
+        if jobs:
+            raise errors.InUse(f"cluster {row.name!r} is leased by job(s) {', '.join(jobs)}; it can be deleted "
+                               "when they finish or are cancelled")
+
+    async def has_history(self, session: AsyncSession, row: ResourceRow) -> bool:
+        """A cluster is always retired: leases and bills name it, and no new work is placed on it."""
+        return True
 
     async def prepare(self, session: AsyncSession, principal: Principal, obj: Any,
                       row: ResourceRow | None) -> dict[str, Any]:
@@ -151,6 +171,11 @@ class LinkStore(ResourceStore):
         assert a is not None and b is not None
         if not (principal.owns(a.owner_id) or principal.owns(b.owner_id)):
             raise errors.Forbidden("a link may be registered only by the provider of one of its ends")
+        if spec.price_per_gb > 0 and not principal.owns(a.owner_id):
+            raise errors.Forbidden(
+                f"spec.pricePerGB: a link's egress price is what the provider of its source site spec.a "
+                f"({spec.a!r}) charges, and {spec.a!r} belongs to another provider; put your own site in spec.a "
+                "to price your egress, or set pricePerGB: 0", field="spec.pricePerGB")
         key = "|".join(sorted((spec.a, spec.b)))
         clash = (await session.execute(select(LinkRow).where(LinkRow.pair_key == key))).scalar_one_or_none()
         if clash is not None and (row is None or clash.id != row.id):

@@ -1,4 +1,10 @@
-"""Metering into an append-only ledger, and invoices (users) / payouts (providers) read from it."""
+"""Metering into an append-only ledger, and invoices (users) / payouts (providers) read from it.
+
+Money rule (one place): every quantity and amount is a decimal kept at 6 decimal places (MICRO)
+through quotes, the ledger and invoice lines; the only rounding to the cent happens once, on an
+invoice's (or a quote's) total, half up. Lines therefore never lose a sub-cent charge and the
+cent-rounded total differs from the exact sum of its lines by less than half a cent.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +20,30 @@ from layers.service.models import ContractRow, LedgerEntry
 
 CENT = Decimal("0.01")
 MICRO = Decimal("0.000001")
+ROUNDING_RULE = ("lines and ledger entries are exact to 6 decimal places; the total is their sum, "
+                 "rounded once to the cent, half up")
+
+
+def micro(value: Decimal) -> Decimal:
+    return value.quantize(MICRO, rounding=ROUND_HALF_UP)
+
+
+def to_cent(value: Decimal) -> Decimal:
+    """The one rounding to the cent: an invoice's or a quote's total."""
+    return value.quantize(CENT, rounding=ROUND_HALF_UP)
 
 
 def post(session: AsyncSession, contract: ContractRow, *, provider: str, provider_account_id: str, cluster: str,
-         item: str, quantity: Decimal, unit_price: Decimal, kind: str = "charge", note: str | None = None
-         ) -> LedgerEntry:
-    """Append one entry. Credits carry negative quantities and amounts."""
-    quantity = quantity.quantize(MICRO, rounding=ROUND_HALF_UP)
+         item: str, quantity: Decimal, unit_price: Decimal, kind: str = "charge", note: str | None = None,
+         amount: Decimal | None = None) -> LedgerEntry:
+    """Append one entry. Credits carry negative quantities and amounts. A caller that meters a running
+    total passes `amount` (the difference of the running total's rounded values) so that many small
+    entries add up to the exact total instead of accumulating one rounding each."""
+    quantity = micro(quantity)
     entry = LedgerEntry(contract_id=contract.id, job=contract.job, account_id=contract.account_id,
                         provider=provider, provider_account_id=provider_account_id, cluster=cluster, item=item,
                         quantity=quantity, unit_price=unit_price,
-                        amount=(quantity * unit_price).quantize(MICRO, rounding=ROUND_HALF_UP),
+                        amount=micro(quantity * unit_price if amount is None else amount),
                         currency=contract.currency, kind=kind, note=note)
     session.add(entry)
     return entry
@@ -41,25 +60,63 @@ async def entries(session: AsyncSession, principal: Principal, job: str | None =
     return list((await session.execute(stmt)).scalars())
 
 
-def invoices(rows: list[LedgerEntry], provider_view: bool = False) -> list[dict[str, Any]]:
-    """One invoice per contract: lines grouped by (provider, cluster, item, unit price), each rounded to
-    the cent; the total is the sum of the lines, so lines always add up to the invoice."""
+async def contracts(session: AsyncSession, principal: Principal, job: str | None = None) -> list[ContractRow]:
+    """The contracts a user (or an admin) is invoiced for, including those nothing was metered on yet."""
+    stmt = select(ContractRow).order_by(ContractRow.created_at, ContractRow.id)
+    if principal.role is Role.PROVIDER:
+        return []
+    if not principal.is_admin:
+        stmt = stmt.where(ContractRow.account_id == principal.account_id)
+    if job is not None:
+        stmt = stmt.where(ContractRow.job == job)
+    return list((await session.execute(stmt)).scalars())
+
+
+async def invoice_list(session: AsyncSession, principal: Principal, job: str | None = None) -> list[dict[str, Any]]:
+    """Invoices (users, admins) or payouts (providers): one per contract. A user's contract is invoiced
+    even when nothing was metered (a job cancelled before it ran bills 0.00)."""
+    rows = await entries(session, principal, job)
+    provider_view = principal.role is Role.PROVIDER
+    return invoices(rows, provider_view=provider_view, contracts=await contracts(session, principal, job))
+
+
+def invoices(rows: list[LedgerEntry], provider_view: bool = False,
+             contracts: list[ContractRow] | None = None) -> list[dict[str, Any]]:
+    """One invoice per contract: lines grouped by (provider, cluster, item, unit price) at 6 decimal
+    places; the total is their exact sum rounded once to the cent (see ROUNDING_RULE)."""
     by_contract: dict[str, list[LedgerEntry]] = defaultdict(list)
+    for c in contracts or []:
+        by_contract[c.id] = []
     for row in rows:
         by_contract[row.contract_id].append(row)
-    out = []
-    for contract_id, items in by_contract.items():
-        groups: dict[tuple[str, str, str, Decimal], list[Decimal]] = defaultdict(lambda: [Decimal(0), Decimal(0)])
-        for e in items:
-            acc = groups[(e.provider, e.cluster, e.item, Decimal(e.unit_price))]
-            acc[0] += Decimal(e.quantity)
-            acc[1] += Decimal(e.amount)
-        lines = [{"provider": p, "cluster": c, "item": i, "quantity": str(q.quantize(MICRO)),
-                  "unitPrice": str(u), "amount": str(a.quantize(CENT, rounding=ROUND_HALF_UP))}
-                 for (p, c, i, u), (q, a) in sorted(groups.items())]
-        total = sum((Decimal(x["amount"]) for x in lines), Decimal("0.00"))
-        out.append({"apiVersion": "cpn/v1", "kind": "Invoice" if not provider_view else "Payout",
-                    "metadata": {"name": f"{items[0].job}-{contract_id[:8]}"},
-                    "spec": {"job": items[0].job, "contract": contract_id, "currency": items[0].currency},
-                    "status": {"lines": lines, "lineCount": len(lines), "total": str(total), "entries": len(items)}})
-    return out
+    info = {c.id: c for c in contracts or []}
+    return [_invoice(cid, items, info.get(cid), provider_view) for cid, items in by_contract.items()]
+
+
+def _lines(items: list[LedgerEntry]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str, str, Decimal], list[Decimal]] = defaultdict(lambda: [Decimal(0), Decimal(0)])
+    for e in items:
+        acc = groups[(e.provider, e.cluster, e.item, Decimal(e.unit_price))]
+        acc[0] += Decimal(e.quantity)
+        acc[1] += Decimal(e.amount)
+    return [{"provider": p, "cluster": c, "item": i, "quantity": str(micro(q)), "unitPrice": str(u),
+             "amount": str(micro(a))} for (p, c, i, u), (q, a) in sorted(groups.items())]
+
+
+def _invoice(contract_id: str, items: list[LedgerEntry], contract: ContractRow | None,
+             provider_view: bool) -> dict[str, Any]:
+    lines = _lines(items)
+    subtotal = sum((Decimal(x["amount"]) for x in lines), Decimal(0))
+    credits = sum((Decimal(e.amount) for e in items if e.kind == "credit"), Decimal(0))
+    job = items[0].job if items else contract.job if contract else ""
+    currency = items[0].currency if items else contract.currency if contract else "USD"
+    status: dict[str, Any] = {"lines": lines, "lineCount": len(lines), "subtotal": str(micro(subtotal)),
+                              "credits": str(micro(credits)), "total": str(to_cent(subtotal)),
+                              "entries": len(items), "rounding": ROUNDING_RULE}
+    if contract is not None:
+        status["contractState"] = contract.state
+        status["quotedTotal"] = str(to_cent(Decimal(contract.quoted_total)))
+    return {"apiVersion": "cpn/v1", "kind": "Invoice" if not provider_view else "Payout",
+            "metadata": {"name": f"{job}-{contract_id[:8]}"},
+            "spec": {"job": job, "contract": contract_id, "currency": currency},
+            "status": status}

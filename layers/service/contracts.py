@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -12,9 +13,11 @@ from cpn.core import errors
 from cpn.core.principal import Principal
 from layers.control import leases
 from layers.control.models import LeaseRow
+from layers.service import billing
 from layers.service import quotes as quotes_mod
 from layers.service.jobs import load_job, set_phase, update_status
 from layers.service.models import ContractRow, JobRow, QuoteRow
+from layers.service.schemas import TrainingJobSpec, pricing_only_reason
 
 
 class QuoteUnavailable(errors.Conflict):
@@ -41,6 +44,9 @@ async def accept(session: AsyncSession, principal: Principal, job_name: str, ref
     job = await load_job(session, principal, job_name, lock=True)
     if job.phase != "Quoted":
         raise errors.Conflict(f"job {job_name!r} is {job.phase}; only a Quoted job can accept a quote")
+    reason = pricing_only_reason(TrainingJobSpec.model_validate(job.spec))
+    if reason:
+        raise errors.Infeasible(f"{reason}; its quotes cannot be accepted", field="spec.model")
     quote = await quotes_mod.find_quote(session, job, ref)
     if quote.state != "open":
         raise QuoteUnavailable(f"quote {quote.label} ({quote.id}) is {quote.state}", field="quote")
@@ -64,7 +70,7 @@ async def accept(session: AsyncSession, principal: Principal, job_name: str, ref
               f"{len({w.cluster for w in wants})} cluster(s)", now)
     update_status(job, contract=contract.id, quote=quote.id, strategy=quote.strategy, placement=quote.placement,
                   ring=quote.ring, predictedSeconds=quote.predicted_seconds, quoteLines=quote.lines,
-                  price={"total": str(quote.total), "currency": quote.currency})
+                  price={"total": str(billing.to_cent(Decimal(quote.total))), "currency": quote.currency})
     return Accepted(job=job, contract=contract, quote=quote, leases=taken)
 
 

@@ -5,19 +5,20 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
 from cpn.core.manifest import set_condition
+from cpn.core.phases import JOB_DRAFT, JOB_TERMINAL, JobPhase
 from cpn.core.principal import Principal, Role
-from cpn.core.store import ResourceRow, ResourceStore
-from layers.service.models import JobRow
+from cpn.core.store import ResourceRow, ResourceStore, is_retired
+from layers.service.models import ContractRow, JobRow
 from layers.service.schemas import TrainingJobManifest
+from layers.service.status import validated
 
-PHASES = ("Pending", "Quoted", "Accepted", "Reserved", "Launching", "Running", "Succeeded", "Failed",
-          "Cancelled")
-TERMINAL = frozenset({"Succeeded", "Failed", "Cancelled"})
+TERMINAL = JOB_TERMINAL
+DRAFT_PHASES = JOB_DRAFT
 
 
 class JobStore(ResourceStore):
@@ -41,13 +42,18 @@ class JobStore(ResourceStore):
     async def replace(self, session: AsyncSession, principal: Principal, name: str, body: Any,
                       *, check_version: bool = True) -> dict[str, Any]:
         row = await self.load(session, principal, name)
-        if row.phase != "Pending" and row.phase != "Quoted":  # type: ignore[attr-defined]
+        if row.phase not in DRAFT_PHASES:  # type: ignore[attr-defined]
             raise errors.Conflict(f"job {name!r} is {row.phase}; its spec can no longer change")  # type: ignore[attr-defined]
         return await super().replace(session, principal, name, body, check_version=check_version)
 
     async def before_delete(self, session: AsyncSession, principal: Principal, row: ResourceRow) -> None:
-        if row.phase not in TERMINAL and row.phase not in ("Pending", "Quoted"):  # type: ignore[attr-defined]
+        if row.phase not in TERMINAL and row.phase not in DRAFT_PHASES:  # type: ignore[attr-defined]
             raise errors.InUse(f"job {row.name!r} is {row.phase}; cancel it first")  # type: ignore[attr-defined]
+
+    async def has_history(self, session: AsyncSession, row: ResourceRow) -> bool:
+        """A job that held a contract is retired, not deleted: its contract and ledger keep pointing at it."""
+        return bool(await session.scalar(select(func.count()).select_from(ContractRow)
+                                         .where(ContractRow.job_id == row.id)))
 
     def filter_query(self, stmt: Any, principal: Principal, filters: dict[str, str]) -> Any:
         if not principal.is_admin:
@@ -58,6 +64,8 @@ class JobStore(ResourceStore):
 
 
 async def find_job(session: AsyncSession, name: str, *, lock: bool = False) -> JobRow | None:
+    if is_retired(name):
+        return None
     stmt = select(JobRow).where(JobRow.name == name)
     if lock:
         stmt = stmt.with_for_update()
@@ -71,22 +79,19 @@ async def load_job(session: AsyncSession, principal: Principal, name: str, *, lo
     return row
 
 
-def set_phase(row: JobRow, phase: str, reason: str, message: str, now: datetime | None = None) -> str:
+def set_phase(row: JobRow, phase: JobPhase | str, reason: str, message: str, now: datetime | None = None) -> str:
     """Move a job to `phase`, keep a condition per phase transition, return the previous phase."""
-    if phase not in PHASES:
-        raise ValueError(f"unknown phase {phase}")
+    phase = JobPhase(phase)  # an unknown phase raises here, where it is written
     now = now or datetime.now(UTC)
     previous = row.phase
     status = dict(row.status or {})
-    status["conditions"] = set_condition(status.get("conditions", []), phase, True, reason, message, now)
-    status.setdefault("phaseTimes", {})[phase] = now.isoformat()
-    status["message"] = message
-    row.status = status
-    row.phase = phase
+    conditions = set_condition(status.get("conditions", []), phase.value, True, reason, message, now)
+    times = {**status.get("phaseTimes", {}), phase.value: now.isoformat()}
+    row.status = validated(status, {"conditions": conditions, "phaseTimes": times, "message": message})
+    row.phase = phase.value
     return previous
 
 
 def update_status(row: JobRow, **fields: Any) -> None:
-    status = dict(row.status or {})
-    status.update({k: v for k, v in fields.items()})
-    row.status = status
+    """Change the job's status; every key and type is checked against `JobStatus`."""
+    row.status = validated(dict(row.status or {}), fields)

@@ -23,7 +23,8 @@ class Seller:
 
 
 def amount(quantity: Decimal, unit_price: Decimal) -> Decimal:
-    return (quantity * unit_price).quantize(CENT, rounding=ROUND_HALF_UP)
+    """A line's amount, exact to 6 places: only the total is rounded to the cent (billing.ROUNDING_RULE)."""
+    return (quantity * unit_price).quantize(MICRO, rounding=ROUND_HALF_UP)
 
 
 def line(provider: str, cluster: str, item: str, quantity: Decimal, unit_price: Decimal) -> dict[str, Any]:
@@ -33,8 +34,11 @@ def line(provider: str, cluster: str, item: str, quantity: Decimal, unit_price: 
 
 
 def price_lines(gpu_seconds: dict[str, float], egress_bytes: dict[tuple[str, str], float],
-                sellers: dict[str, Seller], link_prices: dict[frozenset[str], Decimal]) -> list[dict[str, Any]]:
-    """GPU-hours for every cluster, then egress billed by the provider of the sending site."""
+                sellers: dict[str, Seller], link_prices: dict[frozenset[str], Decimal],
+                link_owners: dict[frozenset[str], str] | None = None) -> list[dict[str, Any]]:
+    """GPU-hours for every cluster, then egress billed by the provider of the sending site. Each
+    provider prices only its own egress: a link's price applies to traffic leaving a site of the
+    link's owner (given `link_owners`); traffic leaving another provider's site over it is free."""
     lines = []
     site_cluster: dict[str, str] = {}
     for cluster, seconds in sorted(gpu_seconds.items()):
@@ -47,6 +51,9 @@ def price_lines(gpu_seconds: dict[str, float], egress_bytes: dict[tuple[str, str
         unit = link_prices.get(frozenset((src, dst)))
         if unit is None or nbytes <= 0 or src not in site_cluster:
             continue
+        owner = (link_owners or {}).get(frozenset((src, dst)))
+        if owner is not None and owner != sellers[site_cluster[src]].provider_account_id:
+            continue
         per_site[(src, unit)] += Decimal(repr(nbytes)) / Decimal(10**9)
     for (src, unit), gb in sorted(per_site.items()):
         cluster = site_cluster[src]
@@ -55,4 +62,5 @@ def price_lines(gpu_seconds: dict[str, float], egress_bytes: dict[tuple[str, str
 
 
 def total(lines: list[dict[str, Any]]) -> Decimal:
-    return sum((Decimal(x["amount"]) for x in lines), Decimal("0.00"))
+    """The exact sum of the lines, rounded once to the cent, half up."""
+    return sum((Decimal(x["amount"]) for x in lines), Decimal(0)).quantize(CENT, rounding=ROUND_HALF_UP)

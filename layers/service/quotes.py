@@ -11,9 +11,15 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
 from cpn.core.db import as_utc
+from cpn.core.manifest import distinct_durations
+from cpn.core.principal import Principal
+from layers.service.jobs import load_job
 from layers.service.models import JobRow, QuoteRow
+from layers.service.schemas import TrainingJobSpec, pricing_only_reason
 
 LABELS = ("cheapest", "fastest", "balanced")
+RECOMMENDED = "balanced"  # the objective's own choice; the other two are its extremes
+CONFIRM_ABOVE_CHEAPEST = 10  # accepting a quote this many times the cheapest asks the user to confirm
 
 
 async def supersede_open(session: AsyncSession, job: JobRow) -> None:
@@ -22,11 +28,11 @@ async def supersede_open(session: AsyncSession, job: JobRow) -> None:
                           .execution_options(synchronize_session=False))
 
 
-def new_quote(job: JobRow, label: str, *, placement: list[dict[str, Any]], strategy: str, ring: list[str],
+def new_quote(job_id: str | None, label: str, *, placement: list[dict[str, Any]], strategy: str, ring: list[str],
               prediction: dict[str, Any], predicted_seconds: float, wan_gb: float, lines: list[dict[str, Any]],
               total: Decimal, currency: str, ttl: timedelta, now: datetime | None = None) -> QuoteRow:
     now = now or datetime.now(UTC)
-    return QuoteRow(job_id=job.id, label=label, strategy=strategy, placement=placement, ring=ring,
+    return QuoteRow(job_id=job_id, label=label, strategy=strategy, placement=placement, ring=ring,
                     prediction=prediction, predicted_seconds=predicted_seconds, wan_gb=wan_gb, total=total,
                     currency=currency, lines=lines, expires_at=now + ttl, state="open")
 
@@ -51,6 +57,16 @@ async def find_quote(session: AsyncSession, job: JobRow, ref: str) -> QuoteRow:
                           field="quote")
 
 
+async def job_quotes(session: AsyncSession, principal: Principal, name: str) -> list[dict[str, Any]]:
+    """A job's open quotes (or, once accepted, the accepted one) as `views` shows them."""
+    job = await load_job(session, principal, name)
+    rows = await open_quotes(session, job)
+    if not rows and job.status.get("quote"):
+        rows = [await find_quote(session, job, job.status["quote"])]
+    reason = pricing_only_reason(TrainingJobSpec.model_validate(job.spec))
+    return views([public(q) for q in rows], job.status.get("quote") or RECOMMENDED, pricing_only=reason)
+
+
 def expired(quote: QuoteRow, now: datetime | None = None) -> bool:
     return as_utc(quote.expires_at) <= (now or datetime.now(UTC))
 
@@ -63,4 +79,44 @@ def public(quote: QuoteRow) -> dict[str, Any]:
                   "lines": quote.lines},
         "expiresAt": as_utc(quote.expires_at).isoformat(), "state": quote.state,
         "ring": quote.ring,
+        **({"trains": quote.prediction["trains"]} if "trains" in (quote.prediction or {}) else {}),
     }
+
+
+def views(quotes: list[dict[str, Any]], chosen: str | None, *, pricing_only: str | None = None,
+          now: datetime | None = None) -> list[dict[str, Any]]:
+    """Quotes as the CLI and the portal show them: how each differs from the cheapest, which one is
+    recommended, whether it has expired, whether it may be accepted at all, and times that never
+    read the same when they differ."""
+    now = now or datetime.now(UTC)
+    items = [_view(q, chosen, now) for q in quotes]
+    cheapest = min((Decimal(q["price"]["total"]) for q in items), default=Decimal(0))
+    for i, item in enumerate(items):
+        same = next((o["label"] for o in items[:i] if _same_offer(o, item)), None)
+        item["sameAs"] = same
+        item["recommended"] = item["label"] == RECOMMENDED
+        item["timesCheapest"] = float(Decimal(item["price"]["total"]) / cheapest) if cheapest > 0 else 1.0
+        item["confirm"] = item["timesCheapest"] >= CONFIRM_ABOVE_CHEAPEST
+        item["pricingOnly"] = pricing_only
+        item["note"] = "; ".join(n for n in (
+            "expired" if item["state"] == "expired" else "", "pricing only" if pricing_only else "",
+            f"same as {same}" if same else "", "recommended" if item["recommended"] else "",
+            (item.get("trains") or {}).get("note") or "") if n)
+    for item, text in zip(items, distinct_durations([i["predictedSeconds"] for i in items]), strict=True):
+        item["predictedDuration"] = text
+    return items
+
+
+def _view(q: dict[str, Any], chosen: str | None, now: datetime) -> dict[str, Any]:
+    q = dict(q)
+    q["metadata"] = {"name": q["label"]}
+    q["chosen"] = "*" if chosen is not None and chosen in (q["label"], q["id"]) else ""
+    q["placementSummary"] = ",".join(f"{p['gpus']}x{p['gpuModel']}@{p['site']}" for p in q["placement"])
+    q["gpus"] = sum(p["gpus"] for p in q["placement"])
+    if q["state"] == "open" and datetime.fromisoformat(q["expiresAt"]) <= now:
+        q["state"] = "expired"
+    return q
+
+
+def _same_offer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a["placement"], a["strategy"], a["price"]["total"]) == (b["placement"], b["strategy"], b["price"]["total"])

@@ -4,34 +4,28 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, WithJsonSchema, field_validator, model_validator
 
 from cpn.core.manifest import CamelModel, ManifestBase, Money
+from cpn.runtime import presets
 
 Strategy = Literal["auto", "ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps"]
 DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
-# Named model sizes. The first five are the runtime's presets (byte-level transformer LMs that really
-# train here); the large ones are for pricing real clusters.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {"parameters": 132_864, "layers": 2, "hidden": 64, "seqLen": 128},
-    "small": {"parameters": 891_648, "layers": 4, "hidden": 128, "seqLen": 128},
-    "medium": {"parameters": 4_935_680, "layers": 6, "hidden": 256, "seqLen": 256},
-    "base": {"parameters": 25_875_456, "layers": 8, "hidden": 512, "seqLen": 512},
-    "large": {"parameters": 100_214_784, "layers": 14, "hidden": 768, "seqLen": 1024},
-    "gpt2-xl": {"parameters": 1_500_000_000, "layers": 48, "hidden": 1600, "seqLen": 1024},
-    "llama-7b": {"parameters": 6_700_000_000, "layers": 32, "hidden": 4096, "seqLen": 4096},
-    "llama-13b": {"parameters": 13_000_000_000, "layers": 40, "hidden": 5120, "seqLen": 4096},
-    "llama-70b": {"parameters": 70_000_000_000, "layers": 80, "hidden": 8192, "seqLen": 4096},
-}
-RUNNABLE_PRESETS = frozenset({"tiny", "small", "medium", "base", "large"})
+# Named model sizes (one table, cpn/runtime/presets.py): the runtime's byte-level LMs that really train
+# here, then real-world sizes for pricing real clusters.
+MODEL_PRESETS: dict[str, dict[str, int]] = presets.shapes()
+RUNNABLE_PRESETS = frozenset(presets.PRESETS)
 
 
 class ModelSpec(CamelModel):
-    preset: str | None = None
+    model_config = {**CamelModel.model_config, "json_schema_extra": {  # what _complete checks, published
+        "anyOf": [{"required": ["preset"]}, {"required": ["parameters"]}]}}
+
+    preset: str | None = Field(default=None, json_schema_extra={"enum": [*MODEL_PRESETS, None]})
     parameters: int | None = Field(default=None, gt=0)
     layers: int | None = Field(default=None, gt=0)
     hidden: int | None = Field(default=None, gt=0)
@@ -41,16 +35,38 @@ class ModelSpec(CamelModel):
     def _complete(self) -> ModelSpec:
         if self.preset is not None:
             if self.preset not in MODEL_PRESETS:
-                raise ValueError(f"unknown preset {self.preset!r}; one of {sorted(MODEL_PRESETS)}")
-        elif None in (self.parameters, self.layers, self.hidden, self.seq_len):
-            raise ValueError("give a preset or all of parameters, layers, hidden, seqLen")
+                raise ValueError(f"unknown model preset {self.preset!r}; valid presets: {', '.join(MODEL_PRESETS)} "
+                                 f"(the runtime trains {', '.join(sorted(RUNNABLE_PRESETS, key=list(MODEL_PRESETS).index))}"
+                                 "; the others are for pricing), or give parameters, layers, hidden and seqLen")
+        elif self.parameters is None:
+            raise ValueError("give a preset, or parameters (the model's parameter count; layers, hidden and seqLen "
+                             "refine the price of a transformer)")
         return self
+
+    @property
+    def runnable(self) -> bool:
+        """Whether CPN's runtime can train this model (the others are priced for reference only)."""
+        return self.preset in RUNNABLE_PRESETS
 
     def shape(self) -> dict[str, int]:
         if self.preset:
             return dict(MODEL_PRESETS[self.preset])
-        return {"parameters": self.parameters, "layers": self.layers, "hidden": self.hidden,  # type: ignore[dict-item]
-                "seqLen": self.seq_len}
+        # parameters alone (a user's own model, spec.code): 6 FLOPs per parameter per unit, no attention term
+        return {"parameters": self.parameters, "layers": self.layers or 1, "hidden": self.hidden or 1,  # type: ignore[dict-item]
+                "seqLen": self.seq_len or 1}
+
+
+def _range_only(what: str, example: str) -> Any:
+    """A bare number where a range is expected gets an explanation instead of pydantic's type error."""
+
+    def check(cls: type, v: Any) -> Any:
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            n = int(v)
+            raise ValueError(f"{what} is a range, not a number: write `{example.format(n=n)}` for exactly {n}, "
+                             f"or give only min (at least) or max (at most)")
+        return v
+
+    return model_validator(mode="before")(classmethod(check))  # type: ignore[arg-type]
 
 
 class GpuRequest(CamelModel):
@@ -58,10 +74,14 @@ class GpuRequest(CamelModel):
     max: int | None = Field(default=None, ge=1)
     models: list[str] = Field(default_factory=list)
 
+    _number = _range_only("gpus", "gpus: {{min: {n}, max: {n}}}")
+
 
 class SiteRequest(CamelModel):
     min: int = Field(default=1, ge=1)
     max: int | None = Field(default=None, ge=1)
+
+    _number = _range_only("sites", "sites: {{min: {n}, max: {n}}}")
 
 
 class PlacementRequest(CamelModel):
@@ -75,8 +95,21 @@ class ObjectiveSpec(CamelModel):
     time: float = Field(default=0.5, ge=0)
 
 
+class CodeSpec(CamelModel):
+    """The user's own training code: a bundle packed from ``path`` by ``cpnctl apply`` (which fills in
+    ``digest``); the workers call ``entrypoint`` (``module:function``) with ``args`` as ``job.config``."""
+
+    path: str | None = Field(default=None, max_length=4096, description="Local directory cpnctl packs (client side)")
+    entrypoint: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", max_length=200,
+                            description="module:function inside the bundle")
+    args: dict[str, Any] = Field(default_factory=dict, description="Free JSON handed to cpn.train's job.config")
+    digest: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$",
+                               description="The uploaded bundle (PUT /api/v1/bundles/{sha256}); cpnctl sets it")
+
+
 class TrainingJobSpec(CamelModel):
-    model: ModelSpec | str
+    model: ModelSpec | Annotated[str, WithJsonSchema({"type": "string", "enum": list(MODEL_PRESETS),
+                                                       "description": "A preset name"})]
     dataset: str = Field(default="pystdlib", min_length=1, max_length=200)
     tokens: int = Field(gt=0, le=10**15)
     global_batch_tokens: int = Field(default=65536, gt=0)
@@ -92,6 +125,14 @@ class TrainingJobSpec(CamelModel):
     budget: Money | None = None
     currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
+    code: CodeSpec | None = Field(default=None, description="The user's own training code (see docs/byo.md)")
+
+    @model_validator(mode="after")
+    def _code(self) -> TrainingJobSpec:
+        if self.code is not None and self.code.digest is None:
+            raise ValueError("spec.code.digest is missing: `cpnctl apply -f job.yaml` packs spec.code.path, "
+                             "uploads it and fills in the digest")
+        return self
 
     @field_validator("model", mode="before")
     @classmethod
@@ -104,6 +145,16 @@ class TrainingJobSpec(CamelModel):
         if v is not None:
             deadline_seconds(v, datetime.now(UTC))
         return v
+
+
+def pricing_only_reason(spec: TrainingJobSpec) -> str | None:
+    """Why quotes for this spec cannot be accepted (None when the runtime can train it)."""
+    model = spec.model
+    if spec.code is not None or (isinstance(model, ModelSpec) and model.runnable):
+        return None
+    name = f"model {model.preset!r}" if isinstance(model, ModelSpec) and model.preset else "a custom model shape"
+    trains = ", ".join(p for p in MODEL_PRESETS if p in RUNNABLE_PRESETS)
+    return f"{name} is priced for reference only: CPN's runtime trains {trains}"
 
 
 def deadline_seconds(value: str, now: datetime) -> float:

@@ -59,3 +59,18 @@ def test_runtime_and_cli_never_touch_the_database() -> None:
 def test_core_imports_no_layer() -> None:
     for path in (ROOT / "cpn" / "core").rglob("*.py"):
         assert not [m for m in _imports(path) if m.startswith("layers")], path
+
+
+def test_handlers_never_touch_rows_or_drivers() -> None:
+    """API handlers parse, call one layer function and answer; rows and drivers stay in the layers
+    (drivers run only in site agents)."""
+    for path in (ROOT / "cpn" / "api").rglob("*.py"):
+        bad = [m for m in _imports(path) if m.endswith(".models") or ".drivers" in m or m == "sqlalchemy"]
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_layers_never_speak_http_to_cpn() -> None:
+    """cpn.client is for faces that stand apart (cpnctl, the site agent); layers call each other."""
+    for path in (ROOT / "layers").rglob("*.py"):
+        bad = [m for m in _imports(path) if m.startswith("cpn.client")]
+        assert not bad, f"{path} imports {bad}"

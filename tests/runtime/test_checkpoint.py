@@ -15,7 +15,7 @@ from cpn.runtime.train import FINAL_MODEL, run_local
 def cfg(**over: object) -> TrainConfig:
     return TrainConfig(
         model="tiny", seq_len=64, global_batch_tokens=1024, tokens=1024 * 40, val_every=20, val_batches=2,
-        strategy=StrategyConfig(name="diloco", inner_steps=5, wan_timeout_seconds=8.0), checkpoint_every=10, **over,
+        strategy=StrategyConfig(name="diloco", inner_steps=5, wan_timeout_seconds=8.0, compression="none", balance=False), checkpoint_every=10, **over,
     )
 
 

@@ -56,7 +56,7 @@ def test_every_strategy_lowers_val_loss(strategy: str, tmp_path: Path) -> None:
 def test_diloco_with_h1_and_plain_averaging_equals_synchronous_training(tmp_path: Path) -> None:
     sync = tiny("ddp", steps=12, optimizer="sgd", lr=0.5)
     diloco = tiny("diloco", steps=12, optimizer="sgd", lr=0.5, inner_steps=1, outer_lr=1.0,
-                  outer_momentum=0.0, nesterov=False)
+                  outer_momentum=0.0, nesterov=False, compression="none", balance=False)
     run(sync, tmp_path / "ddp")
     run(diloco, tmp_path / "diloco")
     a, b = final_params(tmp_path / "ddp"), final_params(tmp_path / "diloco")
@@ -89,8 +89,9 @@ def test_config_errors_say_how_to_fix() -> None:
         FaultConfig(kill_site=1)
     with pytest.raises(ValueError, match="drop --overlap"):
         StrategyConfig(name="ddp", overlap=True)
-    with pytest.raises(ValueError, match="does not split over 3 workers"):
-        TrainConfig(seq_len=64, global_batch_tokens=1024).sequences_per_worker(3)
+    assert TrainConfig(seq_len=64, global_batch_tokens=1024).shares(3) == [6, 5, 5]
+    with pytest.raises(ValueError, match="raise global_batch_tokens to at least 1280"):
+        TrainConfig(seq_len=64, global_batch_tokens=1024).shares(20)
     cfg = tiny("diloco", compression="int8")
     assert TrainConfig.from_env(cfg.to_env()) == cfg
 
@@ -143,3 +144,57 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth() -> None:
     assert lr_at(cfg, 0.0) < 0.01 * cfg.lr
     assert lr_at(cfg, cfg.warmup_fraction) == pytest.approx(cfg.lr)
     assert lr_at(cfg, 1.0) == pytest.approx(0.1 * cfg.lr)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "diloco"])
+def test_three_single_worker_sites_split_an_uneven_batch(strategy: str, tmp_path: Path) -> None:
+    """16 sequences over 3 ranks: 6, 5, 5; gradients and pseudo-gradients weighted by them."""
+    summary = run(tiny(strategy, steps=20, balance=False), tmp_path, Topology.uniform(3, 1))
+    assert summary["finished_ranks"] == [0, 1, 2]
+    assert summary["tokens"] == 1024 * 20  # every step is exactly one global batch
+    first = [json.loads(line) for line in (tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()][-1]
+    last = [json.loads(line) for line in (tmp_path / "metrics" / "rank2.jsonl").read_text().splitlines()][-1]
+    assert (first["tokens"], last["tokens"]) == (6 * 64 * 20, 5 * 64 * 20)
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
+    assert summary["gpu_seconds"] >= summary["wall_seconds"]  # three ranks, each holding its device
+
+
+def test_config_errors_are_found_before_any_worker_starts_and_failures_name_the_cause() -> None:
+    from click.testing import CliRunner
+
+    from cpn.runtime.cli_train import train_cmd
+    from cpn.runtime.launcher import WorkerResult
+    from cpn.runtime.train import failure_lines, preflight
+
+    with pytest.raises(ValueError, match="strategy.ps 5 exceeds the 3 ranks"):
+        preflight(tiny("async_ps", ps=5), Topology.uniform(3, 1))
+    with pytest.raises(ValueError, match="faults.slow_site 4 is not one of the 2 sites"):
+        preflight(tiny("ddp", faults=FaultConfig(slow_site=4, slowdown=2)), TWO_BY_TWO)
+    out = CliRunner().invoke(train_cmd, ["--sites", "3", "--workers-per-site", "1", "--strategy", "async_ps",
+                                         "--ps", "4"])
+    assert out.exit_code == 2 and "strategy.ps 4 exceeds the 3 ranks" in out.output and "Traceback" not in out.output
+    log = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: shard too small\n"
+    results = [WorkerResult(0, 0, 0), WorkerResult(1, 0, 1, log=log), WorkerResult(2, 1, -9, log="")]
+    assert failure_lines(results, set()) == ["rank 1 (site 0) exited 1: ValueError: shard too small",
+                                             "rank 2 (site 1) exited -9: (no output)"]
+
+
+def test_balanced_shares_follow_measured_speed(tmp_path: Path) -> None:
+    """One site 3x slower: after the first measurement window it gets a smaller share of each global
+    batch, every step is still exactly one global batch, and the model still learns."""
+    cfg = tiny("hierarchical", steps=30, balance=True, faults=FaultConfig(slow_site=2, slowdown=3.0))
+    summary = run(cfg, tmp_path, Topology.uniform(3, 1))
+    assert summary["tokens"] == 1024 * 30
+    tokens = [[json.loads(line) for line in (tmp_path / "metrics" / f"rank{r}.jsonl").read_text().splitlines()][-1]["tokens"]
+              for r in range(3)]
+    assert tokens[2] < min(tokens[0], tokens[1]), tokens
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
+
+
+def test_proportional_shares_sum_to_the_batch_and_leave_nobody_empty() -> None:
+    from cpn.runtime.strategies.base import proportional_shares
+
+    assert proportional_shares(16, [1.0, 1.0, 0.5]) == [7, 6, 3]
+    assert proportional_shares(16, [1.0, 1.0, 1.0, 1.0]) == [4, 4, 4, 4]
+    assert proportional_shares(4, [100.0, 1.0, 1.0, 1.0]) == [1, 1, 1, 1]
+    assert sum(proportional_shares(33, [3.0, 0.1, 2.2])) == 33

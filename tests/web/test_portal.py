@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,8 +16,9 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from cpn.agent.localsites import LocalCluster, LocalSites
 from cpn.core.db import Database
-from tests.api.test_resource import cluster, site
+from tests.api.test_resource import cluster, link, site
 from tests.conftest import LiveServer, make_token, start_server, stop_server
 
 if TYPE_CHECKING:
@@ -103,36 +105,64 @@ async def _tokens(db_url: str) -> tuple[str, str]:
         await db.dispose()
 
 
+WORLD_SITES = {"fra-1": (50.11, 8.68), "ams-1": (52.37, 4.90), "nyc-1": (40.71, -74.01)}
+
+
+def located(name: str) -> dict:
+    lat, lon = WORLD_SITES[name]
+    doc = site(name)
+    doc["spec"]["location"] = {"lat": lat, "lon": lon}
+    return doc
+
+
 @pytest.fixture
 def portal_world(db_url: str, tmp_path: Path) -> Iterator[tuple[LiveServer, str]]:
-    """A live server with one provider's site and cluster, heartbeating, and a user token."""
+    """A live server with one provider's three located sites and two links; fra-1's cluster has its
+    agent running the work (ams-1's has none, so it is never Ready), and a user token."""
     provider, user = asyncio.run(_tokens(db_url))
     server = start_server(db_url, tmp_path)
+    port = int(server.url.rsplit(":", 1)[1])
+    agent = LocalCluster("fra-cpu", "fra-1", provider, slots=2)
     try:
         headers = {"Authorization": f"Bearer {provider}"}
-        docs = [site("fra-1"), cluster("fra-cpu", "fra-1", gpus_per_node=2, nodes=1, price="0.90")]
+        docs = [*(located(name) for name in WORLD_SITES),
+                cluster("fra-cpu", "fra-1", gpus_per_node=2, nodes=1, price="0.90"),
+                cluster("ams-cpu", "ams-1", gpus_per_node=2, nodes=1, price="0.80"),
+                link("fra-ams", "fra-1", "ams-1", gbps=100), link("fra-nyc", "fra-1", "nyc-1", gbps=10)]
         resp = httpx.post(f"{server.url}/api/v1/apply", json={"items": docs}, headers=headers, timeout=30)
         assert resp.status_code == 200, resp.text
-        resp = httpx.post(f"{server.url}/api/v1/clusters/fra-cpu/heartbeat", headers=headers, timeout=30,
-                          json={"allocatableGpus": 2, "conditions": [{"type": "Ready", "status": "True"}]})
-        assert resp.status_code == 200, resp.text
-        yield server, user
+        with LocalSites(port, [agent], [], tmp_path / "sites", heartbeat_seconds=1.0) as sites:
+            sites.start(agent)
+            wait_ready(server.url, headers, "fra-cpu")
+            yield server, user
     finally:
         stop_server(server)
+
+
+def wait_ready(url: str, headers: dict[str, str], name: str, timeout: float = 60) -> None:
+    """Until the cluster's agent has heartbeated it Ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        resp = httpx.get(f"{url}/api/v1/clusters/{name}", headers=headers, timeout=10)
+        conditions = resp.json().get("status", {}).get("conditions", []) if resp.status_code == 200 else []
+        if any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"cluster {name} not Ready in {timeout}s")
 
 
 needs_browser = pytest.mark.skipif(_browser_missing() is not None, reason=_browser_missing() or "")
 
 
 @contextmanager
-def signed_in(server: LiveServer, token: str) -> Iterator[Page]:
+def signed_in(server: LiveServer, token: str, width: int = 1280) -> Iterator[Page]:
     """A headless Chromium page on the portal, signed in through the form, failing on any script error."""
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--headless"])
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page = browser.new_page(viewport={"width": width, "height": 900})
             page.set_default_timeout(30_000)
             expect.set_options(timeout=20_000)  # pricing a job takes seconds on a loaded CI machine
             errors: list[str] = []
@@ -147,27 +177,42 @@ def signed_in(server: LiveServer, token: str) -> Iterator[Page]:
             browser.close()
 
 
+def fill_job(page: Page, name: str, gpus_max: int = 1) -> None:
+    page.get_by_label("Name", exact=True).fill(name)
+    page.get_by_label("Tokens", exact=True).fill("30000")
+    page.get_by_label("GPUs max", exact=True).fill(str(gpus_max))
+    page.get_by_label("Sites max", exact=True).fill("1")
+
+
+def get_quotes(page: Page) -> None:
+    from playwright.sync_api import expect
+
+    page.get_by_role("button", name="Get quotes").click()
+    expect(page.locator("article.quote")).to_have_count(3)
+    for label in ("cheapest", "fastest", "balanced"):
+        expect(page.locator(f'article.quote[data-label="{label}"] .price')).to_contain_text("USD")
+
+
 def submit_and_accept(page: Page, name: str) -> None:
-    """Overview → Jobs → New job → three quotes → accept balanced → the job's page."""
+    """Overview → Jobs → New job → three quotes (a dry run) → accept balanced → the job's page."""
     from playwright.sync_api import expect
 
     expect(page.get_by_role("cell", name="fra-cpu", exact=True)).to_be_visible()
     page.get_by_role("link", name="Jobs", exact=True).click()
     page.get_by_role("link", name="New job").click()
-    page.get_by_label("Name", exact=True).fill(name)
-    page.get_by_label("Tokens", exact=True).fill("30000")
-    page.get_by_label("GPUs max", exact=True).fill("1")
-    page.get_by_label("Sites max", exact=True).fill("1")
-    page.get_by_role("button", name="Get quotes").click()
-    expect(page.locator("article.quote")).to_have_count(3)
-    for label in ("cheapest", "fastest", "balanced"):
-        expect(page.locator(f'article.quote[data-label="{label}"] .price')).to_contain_text("USD")
-    page.get_by_role("button", name="Accept the balanced quote").click()
+    fill_job(page, name)
+    get_quotes(page)
+    page.get_by_role("button", name="Accept balanced").click()
     page.wait_for_url(f"**/ui#/jobs/{name}")
 
 
+def api_get(server: LiveServer, token: str, path: str) -> httpx.Response:
+    return httpx.get(f"{server.url}{path}", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
 @needs_browser
-def test_user_submits_accepts_and_sees_the_job_page(portal_world: tuple[LiveServer, str]) -> None:
+def test_user_prices_changes_and_re_prices_then_accepts(portal_world: tuple[LiveServer, str]) -> None:
+    """Get quotes is a dry run: nothing exists until Accept, and the form can change and be priced again."""
     from playwright.sync_api import expect
 
     server, user = portal_world
@@ -176,13 +221,35 @@ def test_user_submits_accepts_and_sees_the_job_page(portal_world: tuple[LiveServ
         page.get_by_label("GPUs min", exact=True).fill("50")
         page.get_by_label("GPUs max", exact=True).fill("60")
         page.get_by_role("button", name="Get quotes").click()
-        expect(page.locator("#new-job + div .error")).to_contain_text("no placement")
-        expect(page.locator("#new-job + div .error code")).to_have_text("spec.gpus.min")
-        expect(page.get_by_label("GPUs min", exact=True)).to_have_attribute("aria-invalid", "true")
+        gpus_min = page.get_by_label("GPUs min", exact=True)
+        expect(gpus_min).to_have_attribute("aria-invalid", "true")
+        expect(page.locator("#gpus-min-error")).to_contain_text(re.compile(r"^No placement .*at most 2 are", re.I))
+        assert "gpus-min-error" in (gpus_min.get_attribute("aria-describedby") or "")
+        expect(page.locator("#quotes-out .error")).to_contain_text("GPUs min: No placement")
+        expect(page.locator("#quotes-out .error")).not_to_contain_text("spec.gpus.min")
 
-        page.goto(f"{server.url}/ui#/overview")
-        submit_and_accept(page, "portal-job")
+        fill_job(page, "requote", gpus_max=1)
+        page.get_by_label("GPUs min", exact=True).fill("1")
+        get_quotes(page)
+        expect(page.locator("#gpus-min-error")).to_be_empty()
+        assert api_get(server, user, "/api/v1/jobs/requote").status_code == 404  # a dry run stores nothing
+        expect(page.locator('article.quote[data-label="balanced"] h3')).to_contain_text("Recommended")
+        expect(page.locator("article.quote .differs").first).to_have_text(re.compile(r"Lowest price|Same as|×"))
+        one_gpu = page.locator('article.quote[data-label="cheapest"] dd').nth(1).inner_text()
+        assert one_gpu == "1"
+
+        page.get_by_label("GPUs max", exact=True).fill("2")  # the form changed: these quotes are stale
+        expect(page.locator("#quote-status")).to_contain_text("Get quotes again")
+        expect(page.get_by_role("button", name="Accept balanced")).to_be_disabled()
+        page.get_by_label("GPUs min", exact=True).fill("2")
+        get_quotes(page)
+        expect(page.locator('article.quote[data-label="cheapest"] dd').nth(1)).to_have_text("2")
+        assert api_get(server, user, "/api/v1/jobs").json()["items"] == []
+        page.get_by_role("button", name="Accept balanced").click()
+        page.wait_for_url("**/ui#/jobs/requote")
         expect(page.locator("#phase .badge")).to_have_text(re.compile(r"Accepted|Reserved|Launching|Running|Succeeded"))
+        job = api_get(server, user, "/api/v1/jobs/requote").json()
+        assert (job["spec"]["gpus"]["min"], job["spec"]["gpus"]["max"]) == (2, 2) and sum(p["gpus"] for p in job["status"]["placement"]) == 2
         expect(page.locator("svg#loss-chart")).to_be_visible()
         expect(page.get_by_role("progressbar", name="job progress")).to_be_visible()
         expect(page.get_by_role("cell", name="Submitted", exact=True)).to_be_visible()
@@ -193,6 +260,60 @@ def test_user_submits_accepts_and_sees_the_job_page(portal_world: tuple[LiveServ
         page.get_by_label("API token").fill("not-a-token")
         page.get_by_role("button", name="Sign in").click()
         expect(page.get_by_role("alert").filter(has_text="token")).to_be_visible()
+        expect(page.get_by_label("API token")).to_have_value("not-a-token")  # what was pasted stays
+
+
+@needs_browser
+def test_a_pricing_only_model_and_a_dear_quote_ask_first(portal_world: tuple[LiveServer, str]) -> None:
+    """llama-7b (the issue's poison) is priced for reference only and cannot be accepted; a quote far
+    above the cheapest asks for confirmation, and declining creates nothing."""
+    from playwright.sync_api import expect
+
+    server, user = portal_world
+    with signed_in(server, user) as page:
+        page.goto(f"{server.url}/ui#/jobs/new")
+        fill_job(page, "big-model")
+        page.get_by_label("Model", exact=True).select_option("llama-7b")
+        page.get_by_role("button", name="Get quotes").click()
+        quotes = page.locator("article.quote")
+        expect(quotes.first.or_(page.locator("#quotes-out .error"))).to_be_visible()
+        if quotes.count():
+            expect(quotes.first).to_contain_text("Priced for reference only")
+            for label in ("cheapest", "fastest", "balanced"):
+                expect(page.get_by_role("button", name=f"Accept {label}")).to_be_disabled()
+        else:  # or refused outright, next to the model
+            expect(page.locator("#model-error")).not_to_be_empty()
+        assert api_get(server, user, "/api/v1/jobs/big-model").status_code == 404
+
+        # a quote >= 10x the cheapest asks first; the flag is the API's (`confirm`, tested in tests/api),
+        # here a dry-run answer with a 40x fastest quote stands in for a world with such prices
+        page.get_by_label("Model", exact=True).select_option("tiny")
+        asked: list[str] = []
+        page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+        page.route("**/api/v1/jobs?dryRun=true", lambda route: route.fulfill(
+            status=200, content_type="application/json", body=_dear_preview(route.request.post_data_json)))
+        get_quotes(page)
+        page.get_by_role("button", name="Accept fastest").click()
+        expect(page.locator("#quote-status")).to_contain_text("Not accepted")
+        assert asked and "× the cheapest" in asked[0], asked
+        assert api_get(server, user, "/api/v1/jobs/big-model").status_code == 404
+
+
+def _dear_preview(manifest: dict) -> str:
+    """A dry-run answer whose fastest quote costs 40x the cheapest (as the API marks it: confirm)."""
+    import json
+    from datetime import UTC, datetime, timedelta
+
+    def quote(label: str, total: str, times: float) -> dict:
+        return {"id": None, "label": label, "state": "open", "strategy": "ddp", "predictedSeconds": 60.0,
+                "predictedDuration": "1 min", "wanGB": 0.0, "gpus": 1,
+                "placement": [{"cluster": "fra-cpu", "site": "fra-1", "gpus": 1, "gpuModel": "H100"}],
+                "price": {"total": total, "currency": "USD", "lines": []}, "sameAs": None,
+                "recommended": label == "balanced", "timesCheapest": times, "confirm": times >= 10,
+                "pricingOnly": None, "expiresAt": (datetime.now(UTC) + timedelta(minutes=5)).isoformat()}
+
+    return json.dumps({**manifest, "status": {"phase": "Quoted", "dryRun": True, "draft": False, "quotes": [
+        quote("cheapest", "1.00", 1.0), quote("fastest", "40.00", 40.0), quote("balanced", "2.00", 2.0)]}})
 
 
 @needs_browser

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
-from sqlalchemy import select
 
 from cpn.api import state
 from cpn.api.bodies import json_response, read_model
@@ -13,11 +10,9 @@ from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
 from cpn.core.db import as_utc
-from cpn.core.principal import Role
 from layers.control import leases
 from layers.orchestration.events import list_events
 from layers.orchestration.jobs.workflow import Timeouts, accept_quote
-from layers.resource.models import ClusterRow
 from layers.service import billing
 from layers.service import quotes as quotes_mod
 from layers.service.jobs import JobStore, load_job
@@ -26,36 +21,9 @@ from layers.service.schemas import AcceptRequest, QuotePublic, TrainingJobManife
 TIMEOUTS = web.AppKey("timeouts", Timeouts)
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 86400:
-        return f"{seconds / 86400:.1f}d"
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f}h"
-    if seconds >= 60:
-        return f"{seconds / 60:.1f}m"
-    return f"{seconds}s"
-
-
-def _quote_view(q: dict[str, Any], chosen: str | None) -> dict[str, Any]:
-    q = dict(q)
-    q["metadata"] = {"name": q["label"]}
-    q["chosen"] = "*" if q["label"] == chosen or q["id"] == chosen else ""
-    q["placementSummary"] = ",".join(f"{p['gpus']}x{p['gpuModel']}@{p['site']}" for p in q["placement"])
-    q["gpus"] = sum(p["gpus"] for p in q["placement"])
-    q["predictedDuration"] = _duration(q["predictedSeconds"])
-    return q
-
-
 async def get_quotes(request: web.Request) -> web.Response:
-    principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        job = await load_job(s, principal, request.match_info["name"])
-        rows = await quotes_mod.open_quotes(s, job)
-        if not rows and job.status.get("quote"):
-            rows = [await quotes_mod.find_quote(s, job, job.status["quote"])]
-        chosen = job.status.get("quote") or "balanced"
-        items = [_quote_view(quotes_mod.public(q), chosen) for q in rows]
+        items = await quotes_mod.job_quotes(s, principal_of(request), request.match_info["name"])
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 
@@ -72,13 +40,7 @@ async def post_accept(request: web.Request) -> web.Response:
 async def get_reservations(request: web.Request) -> web.Response:
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        rows = await leases.active(s, job=request.query.get("job"))
-        if principal.role is Role.PROVIDER:
-            mine = set((await s.execute(select(ClusterRow.name).where(ClusterRow.owner_id == principal.account_id)))
-                       .scalars())
-            rows = [r for r in rows if r.cluster in mine]
-        elif not principal.is_admin:
-            rows = [r for r in rows if r.owner_id == principal.account_id]
+        rows = await leases.visible(s, principal, job=request.query.get("job"))
     items = [{"apiVersion": "cpn/v1", "kind": "Reservation",
               "metadata": {"name": r.id[:8], "uid": r.id, "creationTimestamp": as_utc(r.created_at).isoformat()},
               "spec": {"job": r.job, "subtask": r.subtask, "cluster": r.cluster, "gpus": r.gpus,
@@ -91,8 +53,7 @@ async def get_reservations(request: web.Request) -> web.Response:
 async def get_invoices(request: web.Request) -> web.Response:
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        rows = await billing.entries(s, principal, job=request.query.get("job"))
-    items = billing.invoices(rows, provider_view=principal.role is Role.PROVIDER)
+        items = await billing.invoice_list(s, principal, job=request.query.get("job"))
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 

@@ -1,17 +1,17 @@
-"""Running jobs: worker metrics, cancel, logs, the loss curve, `top sites`; the reconciler task."""
+"""Running jobs: the site agents' protocol (watch, claim, report, logs), worker metrics and
+checkpoints, cancel, logs, the loss curve, `top sites`; the reconciler task."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import Gauge
 from pydantic import BaseModel, Field
-from sqlalchemy import func, select
 
 from cpn.api import state
 from cpn.api.bodies import json_response, read_model
@@ -22,24 +22,101 @@ from cpn.api.routes import add
 from cpn.api.routes.system import REFRESH
 from cpn.core import errors
 from cpn.core.principal import Role
-from layers.control.capacity import leased_gpus
-from layers.orchestration.lifecycle import metering
-from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
+from cpn.runtime.contract import AttemptSpec
+from layers.orchestration.lifecycle import agents, checkpoints, metering, views
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
-from layers.resource.capacity import inventory
-from layers.resource.drivers.local import driver_for
-from layers.resource.models import ClusterRow
+from layers.resource.blobs import BlobStore
 from layers.service.contracts import contract_of
-from layers.service.jobs import JobStore, load_job
-from layers.service.models import JobRow
+from layers.service.jobs import TERMINAL, JobStore, load_job
 
 RECONCILER = web.AppKey("reconciler", Reconciler)
+BLOBS = web.AppKey("blobs", BlobStore)
+WATCH_MAX_SECONDS = 30.0
+LOG_FOLLOW_POLL = 0.5
 
 
 class MetricsBatch(BaseModel):
-    reports: list[dict[str, Any]] = Field(max_length=5000)
+    reports: list[dict[str, object]] = Field(max_length=5000)
 
 
+def _heartbeat_timeout(request: web.Request) -> timedelta:
+    return timedelta(seconds=request.app[state.SETTINGS].heartbeat_timeout_seconds)
+
+
+def _int(request: web.Request, name: str, default: int | None = None, *, low: int = 0,
+         high: int = 10**9) -> int | None:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise errors.InvalidInput(f"{name} must be an integer, got {raw[:20]!r}", field=name) from None
+    if not low <= value <= high:
+        raise errors.InvalidInput(f"{name} must be between {low} and {high}", field=name)
+    return value
+
+
+def _text(request: web.Request, name: str) -> str | None:
+    raw = request.query.get(name)
+    if raw is not None and ("\x00" in raw or len(raw) > 253):
+        raise errors.InvalidInput(f"{name} is not a valid name", field=name)
+    return raw or None
+
+
+# ---------------------------------------------------------------- agents
+async def list_subtasks(request: web.Request) -> web.Response:
+    """Sub-tasks the caller may see. With `cluster` and `watch=true`: a long poll that answers when
+    the cluster's sub-tasks change after `resourceVersion`, or after `timeoutSeconds`."""
+    principal = principal_of(request)
+    cluster, job = _text(request, "cluster"), _text(request, "job")
+    watch = request.query.get("watch") in ("1", "true")
+    if watch and cluster is None:
+        raise errors.InvalidInput("watch needs cluster=NAME", field="cluster")
+    since = request.query.get("resourceVersion")
+    deadline = time.monotonic() + (_int(request, "timeoutSeconds", 20, high=int(WATCH_MAX_SECONDS)) or 0)
+    db = request.app[state.DB]
+    while True:
+        async with db.session() as s:
+            rows = await agents.visible(s, principal, cluster=cluster, job=job,
+                                        active=request.query.get("active") in ("1", "true") or watch)
+            version = await agents.version(s, cluster) if cluster else ""
+        if not watch or version != since or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.5)
+    return json_response({"apiVersion": "cpn/v1", "kind": "List", "metadata": {"resourceVersion": version},
+                          "items": [agents.view(t) for t in rows]})
+
+
+async def get_subtask(request: web.Request) -> web.Response:
+    async with request.app[state.DB].session() as s:
+        row = await agents.get(s, principal_of(request), request.match_info["uid"])
+        return json_response(agents.view(row))
+
+
+async def post_claim(request: web.Request) -> web.Response:
+    body = await read_model(request, agents.ClaimRequest)
+    db = request.app[state.DB]
+    async with db.serialized(), db.session() as s:
+        spec = await agents.claim(s, principal_of(request), request.match_info["uid"], body)
+    return json_response(spec.model_dump(mode="json"))
+
+
+async def post_report(request: web.Request) -> web.Response:
+    body = await read_model(request, agents.SubtaskReport)
+    async with request.app[state.DB].session() as s:
+        row = await agents.report(s, principal_of(request), request.match_info["uid"], body)
+        return json_response(agents.view(row))
+
+
+async def post_subtask_logs(request: web.Request) -> web.Response:
+    body = await read_model(request, agents.LogBatch)
+    async with request.app[state.DB].session() as s:
+        taken = await agents.append_logs(s, principal_of(request), request.match_info["uid"], body)
+    return json_response({"accepted": taken})
+
+
+# ---------------------------------------------------------------- workers
 async def post_metrics(request: web.Request) -> web.Response:
     body = await read_model(request, MetricsBatch)
     principal = principal_of(request)
@@ -51,15 +128,47 @@ async def post_metrics(request: web.Request) -> web.Response:
     return json_response({"accepted": taken})
 
 
-async def get_metrics(request: web.Request) -> web.Response:
+async def put_checkpoint(request: web.Request) -> web.Response:
     principal = principal_of(request)
+    name = request.match_info["name"]
+    if principal.role is not Role.WORKER or principal.job != name:
+        raise errors.Forbidden("only the job's workers write its checkpoints")
     async with request.app[state.DB].session() as s:
-        job = await load_job(s, principal, request.match_info["name"])
-        rows = (await s.execute(select(MetricRow).where(MetricRow.job == job.name).order_by(MetricRow.at)
-                                .limit(5000))).scalars().all()
-    items = [{"attempt": r.attempt, "rank": r.rank, "site": r.site, "step": r.step, "tokens": r.tokens,
-              "trainLoss": r.train_loss, "valLoss": r.val_loss, "tokensPerSecond": r.tokens_per_second,
-              "wallSeconds": r.wall_seconds, "wanBytes": r.wan_bytes, "at": r.at.isoformat()} for r in rows]
+        job = await load_job(s, principal, name)
+    key = checkpoints.key(job.id, f"{request.match_info['step']}/{request.match_info['file']}")
+    size = await request.app[BLOBS].put(key, request.content.iter_chunked(1 << 20))
+    return json_response({"name": key, "size": size}, status=201)
+
+
+async def get_checkpoint_latest(request: web.Request) -> web.Response:
+    async with request.app[state.DB].session() as s:
+        job = await load_job(s, principal_of(request), request.match_info["name"])
+    latest = checkpoints.latest(request.app[BLOBS], job.id)
+    if latest is None:
+        raise errors.NotFound(f"job {job.name!r} has no complete checkpoint")
+    return json_response(latest)
+
+
+async def get_checkpoint(request: web.Request) -> web.StreamResponse:
+    async with request.app[state.DB].session() as s:
+        job = await load_job(s, principal_of(request), request.match_info["name"])
+    key = checkpoints.key(job.id, f"{request.match_info['step']}/{request.match_info['file']}")
+    chunks = await request.app[BLOBS].open(key)
+    if chunks is None:
+        raise errors.NotFound(f"checkpoint file {request.match_info['step']}/{request.match_info['file']} not found")
+    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    await response.prepare(request)
+    async for chunk in chunks:
+        await response.write(chunk)
+    await response.write_eof()
+    return response
+
+
+# ---------------------------------------------------------------- users
+async def get_metrics(request: web.Request) -> web.Response:
+    async with request.app[state.DB].session() as s:
+        job = await load_job(s, principal_of(request), request.match_info["name"])
+        items = await views.metrics(s, job.name)
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 
@@ -68,7 +177,7 @@ async def post_cancel(request: web.Request) -> web.Response:
     db = request.app[state.DB]
     async with db.serialized(), db.session() as s:
         job = await load_job(s, principal, request.match_info["name"], lock=True)
-        if job.phase in ("Succeeded", "Failed", "Cancelled"):
+        if job.phase in TERMINAL:
             raise errors.Conflict(f"job {job.name!r} is already {job.phase}")
         await request.app[RECONCILER].cancel(s, job)
         out = JobStore().to_manifest(principal, job)
@@ -76,95 +185,65 @@ async def post_cancel(request: web.Request) -> web.Response:
 
 
 async def get_subtasks(request: web.Request) -> web.Response:
-    principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        job = await load_job(s, principal, request.match_info["name"])
-        rows = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == job.name)
-                                .order_by(SubtaskRow.attempt, SubtaskRow.site_index))).scalars().all()
-    items = [{"metadata": {"name": t.name}, "attempt": t.attempt, "cluster": t.cluster, "site": t.site,
-              "gpus": t.gpus, "driver": t.driver, "phase": t.phase, "launches": t.launches,
-              "launchKey": t.launch_key, "message": t.message, "handle": t.handle} for t in rows]
+        job = await load_job(s, principal_of(request), request.match_info["name"])
+        items = await views.job_subtasks(s, job.name)
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 
 async def get_logs(request: web.Request) -> web.StreamResponse:
-    principal = principal_of(request)
-    site = request.query.get("site")
-    follow = request.query.get("follow") in ("1", "true")
-    async with request.app[state.DB].session() as s:
-        job = await load_job(s, principal, request.match_info["name"])
-        attempt = int(job.status.get("attempt", 0))
-        rows = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == job.name, SubtaskRow.attempt == attempt)
-                                .order_by(SubtaskRow.site_index))).scalars().all()
-    rows = [t for t in rows if site in (None, t.site, t.cluster, t.name) and t.launches]
-    if site and not rows:
-        raise errors.NotFound(f"job {job.name!r} has no launched sub-task at site {site!r}", field="site")
+    """Every rank's output as the agents shipped it: `site`, `rank`, `attempt`, `tail`, `follow`
+    (streams while the job runs and ends when it ends)."""
+    site, follow = _text(request, "site"), request.query.get("follow") in ("1", "true")
+    rank, attempt = _int(request, "rank"), _int(request, "attempt", low=1)
+    tail = _int(request, "tail", low=0, high=100_000)
+    db = request.app[state.DB]
+    async with db.session() as s:
+        job = await load_job(s, principal_of(request), request.match_info["name"])
+        if site is not None and site not in await views.sites_of(s, job):
+            raise errors.NotFound(f"job {job.name!r} has no sub-task at site {site!r}", field="site")
+        rows, which = await views.log_lines(s, job, attempt=attempt, site=site, rank=rank, after=0, tail=tail)
     response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
     await response.prepare(request)
-    streams = [_prefixed(t, driver_for(t.driver).logs(t.handle, follow)) for t in rows]
-    async for line in _merge(streams):
-        await response.write((line + "\n").encode())
+    after = 0
+    while True:
+        for row in rows:
+            await response.write(f"[{row.site} rank{row.rank}] {row.line}\n".encode())
+            after = row.id
+        if not follow:
+            break
+        async with db.session() as s:
+            job = await load_job(s, principal_of(request), job.name)
+            done = job.phase in TERMINAL or (attempt is None and int(job.status.get("attempt") or 0) != which)
+            rows, _ = await views.log_lines(s, job, attempt=which, site=site, rank=rank, after=after, tail=None)
+        if done and not rows:
+            break
+        if not rows:
+            await asyncio.sleep(LOG_FOLLOW_POLL)
     await response.write_eof()
     return response
 
 
-async def _prefixed(t: SubtaskRow, lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    async for line in lines:
-        yield f"[{t.site}] {line}"
-
-
-async def _merge(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
-    queue: asyncio.Queue[str | None] = asyncio.Queue()
-
-    async def pump(stream: AsyncIterator[str]) -> None:
-        try:
-            async for line in stream:
-                await queue.put(line)
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(st)) for st in streams]
-    done = 0
-    try:
-        while done < len(tasks):
-            item = await queue.get()
-            if item is None:
-                done += 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
 async def top_sites(request: web.Request) -> web.Response:
-    settings = request.app[state.SETTINGS]
     async with request.app[state.DB].session() as s:
-        clusters, _ = await inventory(s, timedelta(seconds=settings.heartbeat_timeout_seconds))
-        leased = await leased_gpus(s)
-        running = dict((await s.execute(select(SubtaskRow.site, func.count()).where(SubtaskRow.phase == "Running")
-                                        .group_by(SubtaskRow.site))).all())
-    sites: dict[str, dict[str, Any]] = {}
-    for c in clusters:
-        row = sites.setdefault(c.site, {"metadata": {"name": c.site}, "region": c.region, "provider": c.provider,
-                                        "clusters": 0, "ready": 0, "capacity": 0, "allocatable": 0, "leased": 0,
-                                        "running": running.get(c.site, 0)})
-        row["clusters"] += 1
-        row["ready"] += int(c.ready)
-        row["capacity"] += c.capacity_gpus
-        row["allocatable"] += c.allocatable_gpus
-        row["leased"] += leased.get(c.name, 0)
-    for row in sites.values():
-        row["utilization"] = f"{100 * row['leased'] / row['capacity']:.0f}%" if row["capacity"] else "-"
-    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": list(sites.values())})
+        items = await views.top_sites(s, _heartbeat_timeout(request))
+    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 
+async def top_links(request: web.Request) -> web.Response:
+    async with request.app[state.DB].session() as s:
+        items = await views.top_links(s, _heartbeat_timeout(request))
+    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
+
+
+# ---------------------------------------------------------------- app wiring
 async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[state.SETTINGS]
+    app[BLOBS] = BlobStore(settings.blob_url or settings.data_dir / "blobs", settings.blob_max_bytes)
     reconciler = Reconciler(app[state.DB], ReconcilerConfig(
-        run_root=settings.run_root, metrics_base_url=settings.base_url,
         heartbeat_timeout=timedelta(seconds=settings.heartbeat_timeout_seconds),
-        lease_ttl=timedelta(seconds=settings.lease_ttl_seconds), wan_emulation=settings.wan_emulation,
+        lease_ttl=timedelta(seconds=settings.lease_ttl_seconds),
+        claim_timeout=timedelta(seconds=settings.claim_timeout_seconds),
         interval=settings.reconcile_interval_seconds))
     app[RECONCILER] = reconciler
     task = asyncio.create_task(reconciler.run_forever()) if settings.reconcile else None
@@ -175,37 +254,12 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
 
 
-async def get_all_subtasks(request: web.Request) -> web.Response:
-    """Sub-tasks the caller may see: a provider those on its clusters (never the job's spec or data
-    settings), a user those of its own jobs, an admin all."""
-    principal = principal_of(request)
-    async with request.app[state.DB].session() as s:
-        stmt = select(SubtaskRow).order_by(SubtaskRow.job, SubtaskRow.attempt, SubtaskRow.site_index)
-        if principal.role is Role.PROVIDER:
-            mine = select(ClusterRow.name).where(ClusterRow.owner_id == principal.account_id)
-            stmt = stmt.where(SubtaskRow.cluster.in_(mine))
-        elif not principal.is_admin:
-            own = select(JobRow.name).where(JobRow.owner_id == principal.account_id)
-            stmt = stmt.where(SubtaskRow.job.in_(own))
-        if request.query.get("job"):
-            stmt = stmt.where(SubtaskRow.job == request.query["job"])
-        rows = (await s.execute(stmt)).scalars().all()
-    items = [{"apiVersion": "cpn/v1", "kind": "SubTask",
-              "metadata": {"name": t.name, "creationTimestamp": t.created_at.isoformat()},
-              "spec": {"job": t.job, "attempt": t.attempt, "cluster": t.cluster, "site": t.site, "gpus": t.gpus,
-                       "driver": t.driver},
-              "status": {"phase": t.phase, "launches": t.launches, "message": t.message}} for t in rows]
-    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
-
-
 async def refresh_gauges(app: web.Application) -> None:
     """Set the job and site gauges from the database just before Prometheus scrapes."""
     gauges = app[GAUGES]
-    settings = app[state.SETTINGS]
     async with app[state.DB].session() as s:
-        phases = dict((await s.execute(select(JobRow.phase, func.count()).group_by(JobRow.phase))).all())
-        clusters, _ = await inventory(s, timedelta(seconds=settings.heartbeat_timeout_seconds))
-        leased = await leased_gpus(s)
+        phases, clusters, leased = await views.gauges(
+            s, timedelta(seconds=app[state.SETTINGS].heartbeat_timeout_seconds))
     gauges["jobs"].clear()
     for phase, count in phases.items():
         gauges["jobs"].labels(phase).set(count)
@@ -233,16 +287,37 @@ def _install_gauges(app: web.Application) -> None:
 def setup(app: web.Application) -> None:
     app.cleanup_ctx.append(_reconciler_ctx)
     _install_gauges(app)
-    add(app, get_all_subtasks, RouteDoc("GET", "/api/v1/subtasks", "Sub-tasks (providers: on their clusters)",
-                                        "SubTask", query=("job",)))
-    add(app, post_metrics, RouteDoc("POST", "/api/v1/jobs/{name}/metrics", "Worker metric reports (worker token)",
-                                    "TrainingJob", request=MetricsBatch, params=("name",)))
-    add(app, get_metrics, RouteDoc("GET", "/api/v1/jobs/{name}/metrics", "A job's metric reports", "TrainingJob",
-                                   params=("name",)))
-    add(app, post_cancel, RouteDoc("POST", "/api/v1/jobs/{name}/cancel", "Cancel a job", "TrainingJob",
-                                   params=("name",)))
-    add(app, get_subtasks, RouteDoc("GET", "/api/v1/jobs/{name}/subtasks", "A job's sub-tasks", "TrainingJob",
-                                    params=("name",)))
-    add(app, get_logs, RouteDoc("GET", "/api/v1/jobs/{name}/logs", "Worker logs (text; follow=1 streams)",
-                                "TrainingJob", params=("name",), query=("site", "follow")))
-    add(app, top_sites, RouteDoc("GET", "/api/v1/top/sites", "Live per-site usage", "Site"))
+    ckpt = "/api/v1/jobs/{name}/checkpoints/{step}/{file}"
+    for handler, doc in [
+        (list_subtasks, RouteDoc("GET", "/api/v1/subtasks", "Sub-tasks (providers: on their clusters); "
+                                 "watch=true&cluster=NAME long-polls for the agent", "SubTask",
+                                 query=("job", "cluster", "watch", "active", "resourceVersion", "timeoutSeconds"))),
+        (get_subtask, RouteDoc("GET", "/api/v1/subtasks/{uid}", "One sub-task (its cluster's provider)", "SubTask",
+                               params=("uid",))),
+        (post_claim, RouteDoc("POST", "/api/v1/subtasks/{uid}/claim", "Claim a sub-task: the attempt contract",
+                              "SubTask", request=agents.ClaimRequest, response=AttemptSpec, params=("uid",))),
+        (post_report, RouteDoc("POST", "/api/v1/subtasks/{uid}/status", "An agent reports a sub-task's state",
+                               "SubTask", request=agents.SubtaskReport, params=("uid",))),
+        (post_subtask_logs, RouteDoc("POST", "/api/v1/subtasks/{uid}/logs", "An agent ships worker output",
+                                     "SubTask", request=agents.LogBatch, params=("uid",))),
+        (post_metrics, RouteDoc("POST", "/api/v1/jobs/{name}/metrics", "Worker metric reports (worker token)",
+                                "TrainingJob", request=MetricsBatch, params=("name",))),
+        (get_metrics, RouteDoc("GET", "/api/v1/jobs/{name}/metrics", "A job's metric reports", "TrainingJob",
+                               params=("name",))),
+        (get_checkpoint_latest, RouteDoc("GET", "/api/v1/jobs/{name}/checkpoints/latest",
+                                         "The newest complete checkpoint", "TrainingJob", params=("name",))),
+        (put_checkpoint, RouteDoc("PUT", ckpt, "Store a checkpoint file (worker token)", "TrainingJob",
+                                  params=("name", "step", "file"))),
+        (get_checkpoint, RouteDoc("GET", ckpt, "Fetch a checkpoint file", "TrainingJob",
+                                  params=("name", "step", "file"))),
+        (post_cancel, RouteDoc("POST", "/api/v1/jobs/{name}/cancel", "Cancel a job", "TrainingJob",
+                               params=("name",))),
+        (get_subtasks, RouteDoc("GET", "/api/v1/jobs/{name}/subtasks", "A job's sub-tasks", "TrainingJob",
+                                params=("name",))),
+        (get_logs, RouteDoc("GET", "/api/v1/jobs/{name}/logs", "Worker logs (text; follow=1 streams)",
+                            "TrainingJob", params=("name",), query=("site", "rank", "attempt", "tail", "follow"))),
+        (top_sites, RouteDoc("GET", "/api/v1/top/sites", "Live per-site usage", "Site")),
+        (top_links, RouteDoc("GET", "/api/v1/top/links", "Live per-link use: running jobs spanning both ends",
+                             "Link")),
+    ]:
+        add(app, handler, doc)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from cpn.api import state
 from cpn.api.bodies import json_response, read_model
@@ -12,10 +11,6 @@ from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
 from layers.resource import capacity
 from layers.resource.schemas import ClusterManifest, HeartbeatRequest
-
-
-class HeartbeatAck(BaseModel):
-    status: dict
 
 
 async def heartbeat(request: web.Request) -> web.Response:

@@ -36,6 +36,23 @@ def _limit(request: web.Request) -> int | None:
     return int(raw)
 
 
+def _dry_run(request: web.Request) -> bool:
+    """`?dryRun=true` (or kubectl's `All`): check and price, create nothing."""
+    raw = request.query.get("dryRun")
+    if raw is None or raw.lower() in ("false", "0", ""):
+        return False
+    if raw.lower() in ("true", "1", "all"):
+        return True
+    raise errors.InvalidInput("dryRun must be true or false", field="dryRun")
+
+
+def _same_kind(kind: Kind, body: Any) -> Any:
+    """`kind: trainingjob` (or the plural or a short name) on the kind's own path means that kind."""
+    if isinstance(body, dict) and isinstance(body.get("kind"), str) and body["kind"].lower() in kind.names():
+        return {**body, "kind": kind.kind}
+    return body
+
+
 def _handlers(kind: Kind) -> dict[str, Any]:
     store = kind.store
 
@@ -49,9 +66,11 @@ def _handlers(kind: Kind) -> dict[str, Any]:
         return json_response(list_manifest(items, cont))
 
     async def create(request: web.Request) -> web.Response:
-        body = await read_raw(request)
+        body = _same_kind(kind, await read_raw(request))
         submit = getattr(store, "submit", None)
         async with request.app[state.DB].session() as s:
+            if _dry_run(request):
+                return json_response(await _preview(store, s, principal_of(request), body))
             if submit is not None:  # kinds with a workflow behind creation (jobs: plan and quote)
                 out, created = await submit(s, principal_of(request), body, request.headers.get("Idempotency-Key"))
                 return json_response(out, status=201 if created else 200)
@@ -64,7 +83,7 @@ def _handlers(kind: Kind) -> dict[str, Any]:
         return json_response(out)
 
     async def replace(request: web.Request) -> web.Response:
-        body = await read_raw(request)
+        body = _same_kind(kind, await read_raw(request))
         async with request.app[state.DB].session() as s:
             out = await store.replace(s, principal_of(request), request.match_info["name"], body)
         return json_response(out)
@@ -84,13 +103,21 @@ def _handlers(kind: Kind) -> dict[str, Any]:
     return {"list": list_, "create": create, "get": get, "update": replace, "patch": patch, "delete": delete}
 
 
+async def _preview(store: Any, session: Any, principal: Any, body: Any) -> dict[str, Any]:
+    preview = getattr(store, "preview", None)
+    if preview is None:
+        raise errors.InvalidInput(f"dryRun is offered for TrainingJob only, not {store.kind}", field="dryRun")
+    return await preview(session, principal, body)
+
+
 def register_kind(app: web.Application, kind: Kind) -> None:
     handlers = _handlers(kind)
     coll, item = kind.path, f"{kind.path}/{{name}}"
     model = kind.manifest
     specs = {
         "list": ("GET", coll, f"List {kind.plural}", None, True, (), ("labelSelector", "limit", "continue")),
-        "create": ("POST", coll, f"Create a {kind.kind}", model, False, (), ()),
+        "create": ("POST", coll, f"Create a {kind.kind}", model, False, (),
+                   ("dryRun",) if hasattr(kind.store, "preview") else ()),
         "get": ("GET", item, f"Read a {kind.kind}", None, False, ("name",), ()),
         "update": ("PUT", item, f"Replace a {kind.kind}", model, False, ("name",), ()),
         "patch": ("PATCH", item, f"Merge-patch a {kind.kind}", None, False, ("name",), ()),
@@ -99,7 +126,8 @@ def register_kind(app: web.Application, kind: Kind) -> None:
     for verb in kind.verbs:
         method, path, summary, req, is_list, params, query = specs[verb]
         add(app, handlers[verb], RouteDoc(method, path, summary, kind.kind, request=req, response=model,
-                                          list_response=is_list, params=params, query=query))
+                                          list_response=is_list, params=params, query=query,
+                                          created=verb == "create"))
 
 
 async def apply(request: web.Request) -> web.Response:
@@ -111,26 +139,54 @@ async def apply(request: web.Request) -> web.Response:
     registry = request.app[state.KINDS]
     plan: list[tuple[int, Kind, dict[str, Any]]] = []
     for i, doc in enumerate(docs):
-        kind_name = doc.get("kind") if isinstance(doc, dict) else None
-        kind = registry.by_kind(kind_name) if isinstance(kind_name, str) else None
-        if kind is None or "create" not in kind.verbs or not kind.generic_routes:
-            raise errors.InvalidInput(f"items[{i}].kind: unknown or read-only kind {kind_name!r}",
-                                      field=f"items[{i}].kind")
-        plan.append((i, kind, doc))
+        kind = _manifest_kind(registry, doc, f"items[{i}]")
+        plan.append((i, kind, {**doc, "kind": kind.kind}))
     plan.sort(key=lambda p: (p[1].order, p[0]))
     results: list[dict[str, Any]] = []
     principal = principal_of(request)
+    dry = _dry_run(request)
     async with request.app[state.DB].session() as s:
         for i, kind, doc in plan:
             try:
-                action, out = await kind.store.apply(s, principal, doc)
+                action, out = await _apply_one(kind.store, s, principal, doc, dry)
             except errors.CPNError as exc:
                 exc.message = f"items[{i}] ({kind.kind}) {exc.message}"
                 exc.field = f"items[{i}].{exc.field}" if exc.field else f"items[{i}]"
                 raise
-            results.append({"index": i, "kind": kind.kind, "name": out["metadata"]["name"], "action": action})
+            results.append({"index": i, "kind": kind.kind, "name": out["metadata"]["name"], "action": action,
+                            **({"dryRun": True, "quotes": out["status"].get("quotes")} if dry else {})})
+        if dry:
+            await s.rollback()
     results.sort(key=lambda r: r["index"])
     return json_response({"items": results})
+
+
+async def _apply_one(store: Any, session: Any, principal: Any, doc: dict[str, Any], dry: bool
+                     ) -> tuple[str, dict[str, Any]]:
+    """One manifest of a batch; in a dry run kinds that price (jobs) preview instead of storing, the
+    others are applied and rolled back with the batch."""
+    if dry and hasattr(store, "preview"):
+        out = await store.preview(session, principal, doc)
+        return ("configured" if out["status"].get("draft") else "created"), out
+    action, out = await store.apply(session, principal, doc)
+    return action, {**out, "status": out.get("status") or {}}
+
+
+def _manifest_kind(registry: Any, doc: Any, where: str) -> Kind:
+    """A manifest's kind as the CLI takes it: any case, singular, plural or short (`trainingjob`,
+    `trainingjobs`, `tj`); an unknown or read-only kind is refused with the valid ones listed."""
+    if not isinstance(doc, dict):
+        raise errors.InvalidInput(f"{where}: a manifest must be a mapping with apiVersion, kind, metadata, spec",
+                                  field=where)
+    name = doc.get("kind")
+    kind = registry.resolve(name) if isinstance(name, str) else None
+    if kind is None or "create" not in kind.verbs or not kind.generic_routes:
+        writable = [k for k in registry.all() if "create" in k.verbs and k.generic_routes]
+        valid = ", ".join(sorted(k.kind for k in writable))
+        why = "missing" if name is None else f"{name!r} is not a kind you can apply"
+        raise errors.InvalidInput(f"{where}.kind: {why}; valid kinds: {valid} (any case, singular, plural or "
+                                  "short names such as cluster, clusters, cl)", field=f"{where}.kind")
+    return kind
 
 
 def setup(app: web.Application) -> None:
@@ -138,4 +194,4 @@ def setup(app: web.Application) -> None:
         if kind.generic_routes:
             register_kind(app, kind)
     add(app, apply, RouteDoc("POST", "/api/v1/apply", "Apply many manifests at once (all or nothing)",
-                             "apply", request=ApplyRequest, response=ApplyResult))
+                             "apply", request=ApplyRequest, response=ApplyResult, query=("dryRun",)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
-from sqlalchemy import text
 
 import cpn
 from cpn.api import state
@@ -26,9 +25,18 @@ class WhoAmI(BaseModel):
 
 
 async def healthz(request: web.Request) -> web.Response:
-    async with request.app[state.DB].session() as s:
-        await s.execute(text("SELECT 1"))
-    return json_response({"status": "ok", "version": cpn.__version__})
+    await request.app[state.DB].ping()
+    return json_response({"status": "ok", "version": cpn.__version__, "reconciler": _reconciler_role(request.app)})
+
+
+def _reconciler_role(app: web.Application) -> str:
+    """leader (runs the reconciler), standby (another replica does) or off (`CPN_RECONCILE=false`)."""
+    from cpn.api.routes.lifecycle import RECONCILER
+
+    reconciler = app.get(RECONCILER)
+    if reconciler is None or not app[state.SETTINGS].reconcile:
+        return "off"
+    return "leader" if reconciler.leadership.is_leader else "standby"
 
 
 async def metrics(request: web.Request) -> web.Response:

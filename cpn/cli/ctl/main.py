@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -38,6 +39,14 @@ def main() -> None:
         sys.exit(1)
     except (OSError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the CLI boundary: no traceback reaches a user
+        if os.environ.get("CPN_DEBUG"):
+            raise
+        click.echo(f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                   "(CPN_DEBUG=1 shows where)", err=True)
         sys.exit(1)
 
 

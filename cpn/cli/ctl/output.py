@@ -8,6 +8,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import yaml
+from pydantic.alias_generators import to_camel
+
+from cpn.core.manifest import duration_text
 
 PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
 
@@ -73,8 +76,51 @@ def dump(obj: Any, fmt: str) -> str:
     return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False).rstrip()
 
 
+# status keys that are the machinery's bookkeeping, not something a user reads
+INTERNAL = frozenset({"meter", "billed", "sinceCheckpoint", "train", "topology", "ring", "quoteLines", "phaseTimes",
+                      "checkpointEvery", "cancelRequested", "masterPort", "rendezvous"})
+
+
+def _money(value: Any) -> str | None:
+    if isinstance(value, dict) and value.get("total") is not None:
+        return f"{value['total']} {value.get('currency', '')}".rstrip()
+    return None
+
+
+def job_view(obj: dict[str, Any]) -> dict[str, Any]:
+    """A TrainingJob as a person reads it: units on every figure (USD, s/min/h, tokens/s), no internals."""
+    st = dict(obj.get("status") or {})
+    view: dict[str, Any] = {"phase": st.get("phase"), "message": st.get("message"), "strategy": st.get("strategy"),
+                            "attempt": st.get("attempt"), "sitesRunning": st.get("sites"), "quote": st.get("quote"),
+                            "contract": st.get("contract"), "price": _money(st.get("price"))}
+    if st.get("predictedSeconds") is not None:
+        view["predictedTime"] = duration_text(float(st["predictedSeconds"]))
+    view["placement"] = st.get("placement")
+    prog = st.get("progress") or {}
+    if prog:
+        total = (obj.get("spec") or {}).get("tokens")
+        view["progress"] = {
+            "percent": f"{prog.get('percent', 0)} %",
+            "tokens": f"{prog.get('tokens', 0):,} of {total:,}" if isinstance(total, int) else prog.get("tokens"),
+            "loss": prog.get("loss"), "valLoss": prog.get("valLoss"), "trainLoss": prog.get("trainLoss"),
+            "throughput": f"{prog.get('tokensPerSecond', 0):,.1f} tokens/s",
+            "eta": duration_text(float(prog.get("etaSeconds") or 0)) if prog.get("tokensPerSecond") else "unknown",
+        }
+    view["cost"] = _money(st.get("cost"))
+    measured = st.get("measured") or {}
+    if measured.get("wallSeconds") is not None:
+        view["measured"] = {"wallTime": duration_text(float(measured["wallSeconds"])),
+                            "predictedTime": duration_text(float(measured.get("predictedSeconds") or 0)),
+                            "ratio": measured.get("ratio")}
+    known = set(view) | {"predictedSeconds", "progress", "measured", "sites"}
+    view.update({k: v for k, v in st.items() if k not in known and k not in INTERNAL})
+    return {**obj, "status": view}
+
+
 def describe(obj: dict[str, Any]) -> str:
     """kubectl-describe-like text: nested keys indented, conditions as a table."""
+    if obj.get("kind") == "TrainingJob":
+        obj = job_view(obj)
     lines: list[str] = []
     meta = obj.get("metadata", {})
     lines.append(f"Name:         {meta.get('name')}")
@@ -97,8 +143,7 @@ def describe(obj: dict[str, Any]) -> str:
                          .splitlines())
     if obj.get("subtasks"):
         lines.append("Sub-tasks:")
-        rows = [[t["metadata"]["name"], str(t["attempt"]), t["site"], t["cluster"], str(t["gpus"]), t["phase"],
-                 str(t["launches"])] for t in obj["subtasks"]]
+        rows = [_subtask_row(t) for t in obj["subtasks"]]
         lines.extend("  " + line for line in format_rows(["NAME", "ATTEMPT", "SITE", "CLUSTER", "GPUS", "PHASE",
                                                           "LAUNCHES"], rows).splitlines())
     for extra in ("events",):
@@ -111,16 +156,32 @@ def describe(obj: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _subtask_row(t: dict[str, Any]) -> list[str]:
+    spec, st = t.get("spec") or t, t.get("status") or t
+    return [str(dig(t, "metadata.name")), *(scalar(spec.get(k, "-")) for k in ("attempt", "site", "cluster", "gpus")),
+            scalar(st.get("phase", "-")), scalar(st.get("launches", "-"))]
+
+
+def scalar(value: Any) -> str:
+    """A value as YAML writes it: true/false, not Python's True/False."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def _nested(value: Any, indent: int) -> list[str]:
     pad = " " * indent
     out: list[str] = []
     if isinstance(value, dict):
         for k, v in value.items():
-            if isinstance(v, dict | list) and v:
-                out.append(f"{pad}{k}:")
-                out.extend(_nested(v, indent + 2))
+            if v is None or v == [] or v == {} or k in INTERNAL:
+                continue
+            key = to_camel(k) if "_" in k else k
+            if isinstance(v, dict | list):
+                inner = _nested(v, indent + 2)
+                out.extend([f"{pad}{key}:", *inner] if inner else [])
             else:
-                out.append(f"{pad}{k}: {v}")
+                out.append(f"{pad}{key}: {scalar(v)}")
     elif isinstance(value, list):
         for v in value:
             if isinstance(v, dict):
@@ -129,5 +190,5 @@ def _nested(value: Any, indent: int) -> list[str]:
                     sub[0] = pad + "- " + sub[0].lstrip()
                 out.extend(sub)
             else:
-                out.append(f"{pad}- {v}")
+                out.append(f"{pad}- {scalar(v)}")
     return out

@@ -10,7 +10,8 @@ wait for anyone, so a slow worker only sends staler gradients. A worker that die
 sending; its server threads notice the closed pair and exit.
 
 Wire format of a push: ``[gradient shard..., progress, op]`` with op 0 = apply then reply, 1 = reply
-only (the final pull).
+only (the final pull). Servers keep their shard and its AdamW state in host memory (they serve
+Gloo pairs from threads); workers compute on their device and stage gradients to pinned memory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cpn.runtime.device import HOST
 from cpn.runtime.strategies.base import (
     Context,
     Strategy,
@@ -56,7 +58,7 @@ class Server:
 
     def __init__(self, ctx: Context, shard: int, theta: torch.Tensor, workers: int):
         self.ctx, self.shard = ctx, shard
-        self.param = torch.nn.Parameter(theta.clone())
+        self.param = torch.nn.Parameter(theta.to(HOST, copy=True))
         self.opt = torch.optim.AdamW([self.param], lr=ctx.cfg.lr, betas=(0.9, 0.95), weight_decay=ctx.cfg.weight_decay)
         self.lr_scale = 1 / math.sqrt(workers)
         self.lock = threading.Lock()
@@ -77,7 +79,7 @@ class Server:
     def serve(self, worker: int, push: dist.ProcessGroup, pull: dist.ProcessGroup) -> None:
         n = self.param.numel()
         while True:
-            msg = torch.empty(n + 2)
+            msg = torch.empty(n + 2, device=HOST)
             try:
                 push.recv([msg], 0, 0).wait()
                 grad, progress, op = msg[:n], msg[n].item(), msg[n + 1].item()
@@ -122,7 +124,7 @@ class AsyncPS(Strategy):
     def after_backward(self, step: int) -> None:
         ctx = self.ctx
         with ctx.timers.timed("compute"):
-            grad = torch.cat([g.reshape(-1) for g in grads_of(self.model)])
+            grad = ctx.stage.out(torch.cat([g.reshape(-1) for g in grads_of(self.model)]))
             self.opt.zero_grad(set_to_none=False)
         spent = self.budget.add(ctx.step_tokens)
         self.progress = spent / self.budget.total
@@ -131,7 +133,7 @@ class AsyncPS(Strategy):
 
     def _rpc(self, grad: torch.Tensor, op: float) -> torch.Tensor:
         ctx = self.ctx
-        theta = torch.empty_like(grad)
+        theta = torch.empty(grad.numel(), device=HOST)
         pending = []
         with ctx.timers.timed("comm"):
             for k, (lo, hi) in enumerate(self.bounds):
@@ -139,10 +141,10 @@ class AsyncPS(Strategy):
                     server = self.local[k]
                     theta[lo:hi] = server.apply(grad[lo:hi], self.progress) if op == OP_PUSH else server.snapshot()
                     continue
-                msg = torch.cat([grad[lo:hi], torch.tensor([self.progress, op])])
+                msg = torch.cat([grad[lo:hi], torch.tensor([self.progress, op], device=HOST)])
                 self.push[k].send([msg], 1, 0).wait()
                 self._count(k, msg)
-                out = torch.empty(hi - lo)
+                out = torch.empty(hi - lo, device=HOST)
                 pending.append((lo, hi, out, self.pull[k].recv([out], 0, 0)))
             for lo, hi, out, work in pending:
                 work.wait()
@@ -175,7 +177,8 @@ class AsyncPS(Strategy):
                     if any(w in s.dead for s in self.local.values()):
                         break
                     time.sleep(0.01)
-            load_flat(self.model, self._rpc(torch.zeros_like(flat_params(self.model)), OP_PULL))
+            numel = sum(p.numel() for p in self.model.parameters())
+            load_flat(self.model, self._rpc(torch.zeros(numel, device=HOST), OP_PULL))
             ctx.store.set("cpn/ps/released", "1")
             topo = ctx.groups.topology
             finished = [w for w in range(topo.world_size) if ctx.store.check([f"cpn/ps/done/{w}"])]

@@ -33,6 +33,7 @@ from cpn.runtime.codecs import ErrorFeedback, get_codec
 from cpn.runtime.collectives import Stats, broadcast_from_site_leader, site_allreduce
 from cpn.runtime.config import TrainConfig
 from cpn.runtime.data import ShardSampler
+from cpn.runtime.device import HOST, HostStage
 from cpn.runtime.groups import Groups
 from cpn.runtime.metrics import Timers
 
@@ -48,8 +49,21 @@ class Context:
     sampler: ShardSampler
     micro_batch: int
     timers: Timers = field(default_factory=Timers)
+    shares: list[int] = field(default_factory=list)  # sequences per rank (empty: micro_batch everywhere)
     checkpoint_dir: Path | None = None
     val: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    bound_at: float = field(default_factory=time.perf_counter)  # when the worker took its device
+    busy_seconds: float = 0.0  # forward + backward (and any injected slow-down): what sets a rank's speed
+    sequences_done: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.groups.device
+
+    @property
+    def stage(self) -> HostStage:
+        """Device <-> pinned host copies for the Gloo groups that cross the WAN."""
+        return self.groups.stage or HostStage(self.device)
 
     @property
     def rank(self) -> int:
@@ -70,6 +84,24 @@ class Context:
     @property
     def step_tokens(self) -> int:
         return self.micro_batch * self.cfg.seq_len
+
+    def share_of(self, rank: int) -> int:
+        return self.shares[rank] if self.shares else self.micro_batch
+
+    def site_sequences(self, site: int) -> int:
+        return sum(self.share_of(r) for r in self.groups.topology.ranks_of(site))
+
+    @property
+    def site_step_tokens(self) -> int:
+        return self.site_sequences(self.site) * self.cfg.seq_len
+
+    def world_weight(self) -> tuple[int, int]:
+        """This rank's gradient weight in a world average, as (numerator, denominator)."""
+        total = sum(self.share_of(r) for r in range(self.groups.world_size))
+        return self.micro_batch * self.groups.world_size, total
+
+    def site_weight(self) -> tuple[int, int]:
+        return self.micro_batch * self.groups.site_size, self.site_sequences(self.site)
 
     def account(self, stats: Stats) -> None:
         self.timers.intra_bytes += stats.intra_bytes
@@ -122,12 +154,20 @@ def lr_at(cfg: TrainConfig, progress: float) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * span)))
 
 
+def weigh(tensors: list[Tensor], weight: tuple[int, int]) -> None:
+    """Scale by ``num/den`` before an averaging all-reduce, so that ranks with uneven shares of the
+    batch count by the sequences they did (no-op when the shares are equal)."""
+    num, den = weight
+    if num != den:
+        torch._foreach_mul_(tensors, num / den)
+
+
 def timed_barrier(ctx: Context, group: dist.ProcessGroup | None) -> None:
     """A one-element all-reduce: the time spent here is waiting for slower peers, not moving data."""
     if group is None or dist.get_world_size(group) == 1:
         return
     with ctx.timers.timed("wait"):
-        dist.all_reduce(torch.zeros(1), group=group)
+        dist.all_reduce(torch.zeros(1, device=HOST), group=group)  # a host scalar: Gloo on every level
 
 
 def site_sync_grads(ctx: Context) -> None:
@@ -135,8 +175,10 @@ def site_sync_grads(ctx: Context) -> None:
     if ctx.groups.site_size == 1:
         return
     timed_barrier(ctx, ctx.groups.intra)
+    grads = grads_of(ctx.model)
+    weigh(grads, ctx.site_weight())
     with ctx.timers.timed("comm"):
-        ctx.account(site_allreduce(grads_of(ctx.model), ctx.groups, op="avg"))
+        ctx.account(site_allreduce(grads, ctx.groups, op="avg"))
 
 
 def site_broadcast(ctx: Context, tensors: list[Tensor]) -> None:
@@ -150,10 +192,30 @@ def site_values(ctx: Context, *values: float) -> list[float]:
     """The site leader's numbers, on every rank of the site (so the site decides as one)."""
     if ctx.groups.site_size == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=HOST)
     with ctx.timers.timed("comm"):
         dist.broadcast(t, src=ctx.groups.leader_rank, group=ctx.groups.intra)
     return t.tolist()
+
+
+def proportional_shares(total: int, speeds: list[float]) -> list[int]:
+    """``total`` sequences split in proportion to ``speeds``, at least one each (largest remainder)."""
+    n = len(speeds)
+    weights = [max(s, 1e-9) for s in speeds]
+    raw = [total * w / sum(weights) for w in weights]
+    shares = [max(1, int(r)) for r in raw]
+    while sum(shares) > total:
+        i = max((k for k in range(n) if shares[k] > 1), key=lambda k: shares[k] - raw[k])
+        shares[i] -= 1
+    while sum(shares) < total:
+        i = max(range(n), key=lambda k: raw[k] - shares[k])
+        shares[i] += 1
+    return shares
+
+
+# steps after which the balanced strategies re-measure every rank's speed and re-split the batch
+BALANCE_WINDOWS = ((1, 5), (5, 25))
+BALANCE_THRESHOLD = 1.25  # speeds closer than this are taken as equal (the measurement's noise on shared CPUs)
 
 
 # ----------------------------------------------------------------------------- strategy protocol
@@ -163,6 +225,7 @@ class Strategy:
     name: ClassVar[str] = ""
     elastic: ClassVar[bool] = False
     global_budget: ClassVar[bool] = False
+    balanced: ClassVar[bool] = False  # may give ranks shares of the batch by measured speed (strategy.balance)
 
     def __init__(self, ctx: Context):
         self.ctx, self.cfg, self.model = ctx, ctx.cfg, ctx.model
@@ -191,6 +254,36 @@ class Strategy:
 
     def finish(self, step: int) -> None:
         """Bring the model to its final (consensus) state; rank 0 evaluates it afterwards."""
+
+    def rebalance(self, step: int) -> None:
+        """Throughput-proportional shares (``strategy.balance``): after ``step`` steps, at the ends of
+        :data:`BALANCE_WINDOWS`, every rank posts its speed over the window (sequences per busy second)
+        on the job's store and all take the same new split of the global batch, so a synchronous step
+        takes as long everywhere instead of waiting for the slowest. The weighted averages follow
+        the shares. A rank that does not post within ``wan_timeout_seconds`` leaves the split as it was."""
+        if not (self.balanced and self.cfg.strategy.balance):
+            return
+        ctx = self.ctx
+        for start, end in BALANCE_WINDOWS:
+            if step == start:
+                self._window = (ctx.busy_seconds, ctx.sequences_done)
+            if step != end or not hasattr(self, "_window"):
+                continue
+            busy, seqs = ctx.busy_seconds - self._window[0], ctx.sequences_done - self._window[1]
+            store = dist.PrefixStore("cpn/balance", ctx.store)
+            store.set(f"{end}/{ctx.rank}", repr(seqs / max(busy, 1e-9)))
+            world = ctx.groups.world_size
+            keys = [f"{end}/{r}" for r in range(world)]
+            with ctx.timers.timed("wait"):
+                present = wait_keys(store, keys, time.monotonic() + self.cfg.strategy.wan_timeout_seconds)
+            if len(present) < world:
+                return
+            speeds = [float(store.get(k)) for k in keys]
+            if max(speeds) <= BALANCE_THRESHOLD * min(speeds):  # equal hardware: noise, not a straggler
+                ctx.shares = self.cfg.shares(world)
+            else:
+                ctx.shares = proportional_shares(self.cfg.global_sequences, speeds)
+            ctx.micro_batch = ctx.shares[ctx.rank]
 
     def live_sites(self) -> list[int]:
         return list(range(self.ctx.num_sites))
@@ -242,7 +335,8 @@ def wait_keys(store: dist.Store, keys: list[str], deadline: float, poll: float =
 
 
 class PendingAverage:
-    """An exchange in flight; :meth:`wait` returns the average, or None when the exchange failed."""
+    """An exchange in flight; :meth:`wait` returns the average (on the host), or None when the
+    exchange failed."""
 
     def __init__(self, exchange: SiteExchange, rnd: int, x: Tensor, work: Any = None,
                  outs: list[Tensor] | None = None):
@@ -262,6 +356,12 @@ class PendingAverage:
             return self.x.div_(len(ex.members))
         n = self.x.numel()
         return sum(ex.codec.decode(w, ex.padded(n))[:n] for w in self.outs) / len(self.outs)
+
+
+def host_copy(stage: HostStage, x: Tensor) -> Tensor:
+    """A float32 host copy of ``x`` that the caller may modify (Gloo's input)."""
+    host = stage.out(x.detach().float())
+    return host.clone() if host.data_ptr() == x.data_ptr() else host
 
 
 class SiteExchange:
@@ -326,22 +426,33 @@ class SiteExchange:
             return None
 
     def start(self, rnd: int, x: Tensor) -> PendingAverage:
-        """Begin averaging ``x`` (float32, flat) over the members; the caller may compute meanwhile."""
-        x = x.detach().float().clone()
-        if self.pg is None:
-            return PendingAverage(self, rnd, x)
+        """Begin averaging ``x`` (flat) over the members; the caller may compute meanwhile.
+
+        The group is Gloo, so what it moves is on the host: the float32 vector, or the wire of a
+        codec that encodes (with its error feedback) on ``x``'s device."""
+        stage = self.ctx.stage
+        if self.pg is not None:  # weighted by the sites' shares of the batch (equal sites: no-op)
+            mine, total = self.ctx.site_sequences(self.site) * len(self.members), sum(
+                self.ctx.site_sequences(s) for s in self.members)
+            x = x if mine == total else x * (mine / total)
+        if self.pg is None or self.codec is None:
+            host = host_copy(stage, x)
+            if self.pg is None:
+                return PendingAverage(self, rnd, host)
+            m = len(self.members)
+            self.ctx.timers.wan_bytes += 2 * (m - 1) * host.numel() * 4 // m
+            return PendingAverage(self, rnd, host, work=self.pg.allreduce([host]))
         m = len(self.members)
-        if self.codec is None:
-            self.ctx.timers.wan_bytes += 2 * (m - 1) * x.numel() * 4 // m
-            return PendingAverage(self, rnd, x, work=self.pg.allreduce([x]))
         n = x.numel()
-        buf = torch.zeros(self.padded(n))
-        buf[:n] = x
+        buf = torch.zeros(self.padded(n), device=x.device)
+        buf[:n] = x.detach()
         if self.ef is not None:
             buf = self.ef.compensate("x", buf)
         wire = self.codec.encode(buf)
         if self.ef is not None:
             self.ef.record("x", buf, self.codec.decode(wire, buf.numel()))
+        wire = stage.out(wire)
+        x = host_copy(stage, x) if stage.active else x.detach().float()
         outs = [torch.empty_like(wire) for _ in range(m)]
         self.ctx.timers.wan_bytes += (m - 1) * wire.numel()
         return PendingAverage(self, rnd, x, work=self.pg.allgather([outs], [wire]), outs=outs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from cpn.runtime.collectives import allreduce
-from cpn.runtime.strategies.base import Strategy, grads_of, timed_barrier
+from cpn.runtime.strategies.base import Strategy, grads_of, timed_barrier, weigh
 
 
 class DDP(Strategy):
@@ -15,8 +15,10 @@ class DDP(Strategy):
     def after_backward(self, step: int) -> None:
         ctx = self.ctx
         timed_barrier(ctx, ctx.groups.world)
+        grads = grads_of(self.model)
+        weigh(grads, ctx.world_weight())
         with ctx.timers.timed("comm"):
-            ctx.account(allreduce(grads_of(self.model), self.algorithm, ctx.groups, op="avg", key="grads",
+            ctx.account(allreduce(grads, self.algorithm, ctx.groups, op="avg", key="grads",
                                   compression=self.compression))
         self._inner_step()
 

@@ -6,13 +6,22 @@ pseudo-gradient ``theta_global - theta_local`` over the live sites (:class:`Site
 int8/fp16 with error feedback), apply the outer optimiser to ``theta_global``, and broadcast the
 result inside their site.
 
-``overlap`` (streaming / one-step-delayed DiLoCo): the exchange of round r runs in the background
-during round r+1 and is applied at the end of r+1. Each site keeps its own un-averaged progress of
-the round on top of the newest global parameters (``theta_local = theta_global + d_r``), so no work
-is lost and nothing is counted twice.
+``overlap`` (Streaming DiLoCo's τ-delayed outer step): the exchange of round r runs in the background
+while the sites train on, and is merged ``overlap_steps`` (τ) inner steps later: each site continues
+from the new global parameters plus what it learnt during those τ steps
+(``theta_local = theta_global + (theta_now - theta_at_exchange)``), and that part counts in the
+next round's pseudo-gradient, so no work is lost and nothing is counted twice. τ is chosen so the
+exchange can have arrived (:mod:`cpn.runtime.autotune`); a late one is waited for.
+
+The last outer step of a run averages the sites' models (outer lr 1, no momentum) instead of taking
+the outer optimiser's step, so the final model is not thrown past the average by the momentum.
 
 A site that fails to answer within ``wan_timeout_seconds`` is dropped from the exchange; the others
 carry on (see :class:`SiteExchange`). Checkpoints are written at outer steps.
+
+The anchor, the global parameters and the outer momentum live on the worker's device, or in host
+memory with ``device.outer_on_host`` (by default when GPU memory is short, see
+:func:`cpn.runtime.device.outer_on_host`): they are touched once per H steps.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 
 import torch
 
+from cpn.runtime.device import HOST, outer_on_host
 from cpn.runtime.strategies.base import (
     Context,
     PendingAverage,
@@ -35,68 +45,124 @@ from cpn.runtime.strategies.base import (
 class DiLoCo(Strategy):
     name = "diloco"
     elastic = True
+    balanced = True
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         s = ctx.cfg.strategy
-        self.H = s.inner_steps
-        self.overlap = s.overlap
+        self.H = s.inner_steps or 1
+        self.overlap = bool(s.overlap)
+        self.tau = max(1, min(s.overlap_steps or 1, max(1, self.H - 1)))
         self.round = 0
-        self.anchor = flat_params(self.model)  # local parameters at the start of the round
+        numel = sum(p.numel() for p in self.model.parameters())
+        self.outer_device = HOST if outer_on_host(ctx.cfg.device, ctx.device, numel) else ctx.device
+        self.anchor = self._flat()  # local parameters at the start of the round
         self.exchange = SiteExchange(ctx) if ctx.is_leader else None
         self.pending: PendingAverage | None = None
+        self.merge_at: int | None = None  # overlap: the step at which the exchange in flight is merged
+        self.mark: torch.Tensor | None = None  # overlap: local parameters when the exchange started
+        self.fallback: torch.Tensor | None = None  # overlap: this site's own pseudo-gradient of that round
         self.theta = torch.nn.Parameter(self.anchor.clone())  # the global (outer) parameters
         self.outer = self._outer_optimizer()
         self._live = list(range(ctx.num_sites))
 
+    def _flat(self) -> torch.Tensor:
+        """The model's parameters as one vector where the outer state lives."""
+        return flat_params(self.model).to(self.outer_device)
+
     def _outer_optimizer(self) -> torch.optim.Optimizer:
         s = self.cfg.strategy
-        return torch.optim.SGD([self.theta], lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov)
+        momentum = s.outer_momentum or 0.0
+        return torch.optim.SGD([self.theta], lr=1.0 if s.outer_lr is None else s.outer_lr, momentum=momentum,
+                               nesterov=bool(s.nesterov) and momentum > 0)
 
     def after_backward(self, step: int) -> None:
         super().after_backward(step)
-        if (step + 1) % self.H == 0 or step + 1 >= self.cfg.total_steps:
-            self.outer_step(delayed=self.overlap, exchange=True)
+        last = step + 1 >= self.cfg.total_steps
+        if self.merge_at is not None and (step >= self.merge_at or last):
+            self.merge()
+        if (step + 1) % self.H == 0 or last:
+            if self.overlap and not last:
+                self.start_round(step)
+            else:
+                self.outer_step(delayed=False, exchange=True, final=last)
 
-    def outer_step(self, delayed: bool, exchange: bool) -> None:
-        """End a round: exchange, apply the outer update, reset the site's parameters, sync the site."""
+    # overlap (Streaming DiLoCo's τ-delayed outer step) ------------------------------------------
+    def start_round(self, step: int) -> None:
+        """End a round without stopping: the leaders start the exchange of this round's pseudo-gradient
+        and every site trains on; :meth:`merge` applies it ``overlap_steps`` later."""
         ctx = self.ctx
         if ctx.is_leader:
-            load_flat(self.model, self._leader_round(flat_params(self.model), delayed, exchange))
-        site_broadcast(ctx, [p.data for p in self.model.parameters()])
-        self.anchor = flat_params(self.model)
+            local = self._flat()
+            progress = local - self.anchor
+            joined = self.exchange.join(self.round)
+            self._live = list(self.exchange.members) if joined else [ctx.site]
+            self.fallback = -progress
+            self.pending = self.exchange.start(self.round, -progress) if joined else None
+            self.mark = local
+        self.merge_at = step + self.tau
         self.round += 1
 
-    def _leader_round(self, local: torch.Tensor, delayed: bool, exchange: bool) -> torch.Tensor:
+    def merge(self) -> None:
+        """Apply the exchange in flight to the global parameters and continue from them plus what the
+        site learnt since the exchange started (nothing lost, nothing counted twice)."""
+        ctx = self.ctx
+        if ctx.is_leader:
+            avg = self.pending.wait() if self.pending is not None else None
+            self._apply(avg, fallback=self.fallback)
+            since = self._flat() - self.mark
+            self.anchor = self.theta.detach().clone()
+            load_flat(self.model, self.anchor + since)
+            self.pending = self.mark = self.fallback = None
+        site_broadcast(ctx, [p.data for p in self.model.parameters()])
+        if not ctx.is_leader:
+            self.anchor = self._flat()
+        self.merge_at = None
+
+    # blocking outer step -------------------------------------------------------------------------
+    def outer_step(self, delayed: bool, exchange: bool, final: bool = False) -> None:
+        """End a round: exchange, apply the outer update, reset the site's parameters, sync the site.
+
+        ``final``: the run's last outer step averages the sites' models (outer lr 1, no momentum), so
+        the final model is not thrown past the average by the outer momentum's look-ahead."""
+        ctx = self.ctx
+        if self.merge_at is not None:
+            self.merge()
+        if ctx.is_leader:
+            load_flat(self.model, self._leader_round(self._flat(), exchange, final))
+        site_broadcast(ctx, [p.data for p in self.model.parameters()])
+        self.anchor = self._flat()
+        self.round += 1
+
+    def _leader_round(self, local: torch.Tensor, exchange: bool, final: bool = False) -> torch.Tensor:
         progress = local - self.anchor
-        if self.pending is not None:
-            self._apply(self.pending.wait(), fallback=None)
-            self.pending = None
         joined = exchange and self.exchange.join(self.round)
         if exchange:
             self._live = list(self.exchange.members) if joined else [self.ctx.site]
-        if delayed:  # this round's pseudo-gradient (-progress) is applied one round late
-            self.pending = self.exchange.start(self.round, -progress) if joined else None
-            return self.theta.detach() + progress
-        if exchange:
             avg = self.exchange.start(self.round, -progress).wait() if joined else None
-            self._apply(avg, fallback=-progress)
+            self._apply(avg, fallback=-progress, final=final)
         return self.theta.detach().clone()
 
-    def _apply(self, avg: torch.Tensor | None, fallback: torch.Tensor | None) -> None:
+    def _apply(self, avg: torch.Tensor | None, fallback: torch.Tensor | None, final: bool = False) -> None:
         grad = avg if avg is not None else fallback
         if grad is None:
             return
         with self.ctx.timers.timed("compute"):
-            self.theta.grad = grad.clone()
+            grad = grad.to(self.outer_device, dtype=self.theta.dtype, copy=True)
+            if final:
+                with torch.no_grad():
+                    self.theta.sub_(grad)
+                return
+            self.theta.grad = grad
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
 
     def finish(self, step: int) -> None:
-        """Apply the exchange still in flight and sync any progress since the last outer step."""
-        unsynced = step % self.H != 0 and step < self.cfg.total_steps
-        if self.overlap or unsynced:
-            self.outer_step(delayed=False, exchange=unsynced)
+        """Merge the exchange still in flight and sync any progress since the last outer step."""
+        if self.merge_at is not None:
+            self.merge()
+        if step % self.H != 0 and step < self.cfg.total_steps:
+            self.outer_step(delayed=False, exchange=True, final=True)
 
     def live_sites(self) -> list[int]:
         return self._live
@@ -106,12 +172,11 @@ class DiLoCo(Strategy):
         return bool(every) and self.ctx.checkpoint_dir is not None and step % self.H == 0 and (step // self.H) % max(1, every // self.H) == 0
 
     def site_state(self) -> dict[str, Any]:
+        if self.merge_at is not None:  # a checkpoint must not lose the exchange in flight (every rank is here)
+            self.merge()
         return {**super().site_state(), "anchor": self.anchor, "round": self.round}
 
     def global_state(self) -> dict[str, Any]:
-        if self.pending is not None:  # a checkpoint must not lose the exchange in flight
-            self._apply(self.pending.wait(), fallback=None)
-            self.pending = None
         return {"theta": self.theta.detach(), "outer": self.outer.state_dict(), "round": self.round}
 
     def load_state(self, site_state: dict[str, Any] | None, global_state: dict[str, Any]) -> None:
@@ -124,4 +189,4 @@ class DiLoCo(Strategy):
             self.anchor = self.theta.detach().clone()
             return
         super().load_state(site_state, global_state)
-        self.anchor = site_state["anchor"]
+        self.anchor = site_state["anchor"].to(self.outer_device)

@@ -11,6 +11,7 @@ The graph varies with the round: in round r site i sends to ``i +/- 2**(r mod ce
 (one neighbour, or two with ``gossip_neighbours=2``) -- an exponential graph, which mixes in
 O(log S) rounds. Inside a site the workers stay synchronous. A neighbour whose channel fails is
 dropped. At the end the live sites average once (the only barrier), so the run has one final model.
+Messages travel in host memory (Gloo); the mixing happens on the worker's device.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cpn.runtime.device import HOST
 from cpn.runtime.strategies.base import (
     Context,
     SiteExchange,
     Strategy,
     TokenBudget,
     flat_params,
+    host_copy,
     load_flat,
     site_broadcast,
     site_sync_grads,
@@ -39,7 +42,7 @@ def pair_group(store: dist.Store, name: str, src: int, dst: int, me: int, timeou
     """A two-rank Gloo group for messages src -> dst (rank 0 = src)."""
     prefixed = dist.PrefixStore(f"cpn/{name}/{src}-{dst}", store)
     pg = dist.ProcessGroupGloo(prefixed, 0 if me == src else 1, 2, timeout)
-    pg.allreduce([torch.zeros(1)]).wait()  # connect the pair now: a receive cannot open it lazily
+    pg.allreduce([torch.zeros(1, device=HOST)]).wait()  # connect the pair now: a receive cannot open it lazily
     return pg
 
 
@@ -47,7 +50,7 @@ class Mailboxes:
     """Newest-message-wins channels between this site and every other site."""
 
     def __init__(self, ctx: Context, numel: int, name: str = "gossip"):
-        self.me, self.numel = ctx.site, numel
+        self.me, self.numel, self.stage = ctx.site, numel, ctx.stage
         self.lock = threading.Lock()
         self.inbox: dict[int, torch.Tensor] = {}
         self.outbox: dict[int, torch.Tensor] = {}
@@ -65,8 +68,9 @@ class Mailboxes:
     def post(self, peer: int, vec: torch.Tensor) -> None:
         if peer in self.dead:
             return
+        host = host_copy(self.stage, vec)
         with self.lock:
-            self.outbox[peer] = vec.clone()
+            self.outbox[peer] = host
         self.wake[peer].set()
 
     def take(self) -> dict[int, torch.Tensor]:
@@ -92,7 +96,7 @@ class Mailboxes:
 
     def _recv_loop(self, peer: int, pg: dist.ProcessGroup) -> None:
         while True:
-            buf = torch.empty(self.numel)
+            buf = torch.empty(self.numel, device=HOST)
             try:
                 pg.recv([buf], 0, 0).wait()
             except Exception:  # noqa: BLE001
@@ -132,7 +136,7 @@ class Gossip(Strategy):
     def after_backward(self, step: int) -> None:
         site_sync_grads(self.ctx)
         self._inner_step()
-        site_tokens = self.ctx.step_tokens * self.ctx.groups.site_size
+        site_tokens = self.ctx.site_step_tokens
         spent = self.budget.add(site_tokens) if self.ctx.is_leader else 0
         self.progress, stop = site_values(self.ctx, spent / self.budget.total, float(spent >= self.budget.total))
         self.stop = bool(stop)
@@ -154,7 +158,7 @@ class Gossip(Strategy):
         theta = flat_params(self.model)
         got = self.mail.take()
         if got:
-            theta = (theta + sum(got.values())) / (1 + len(got))
+            theta = (theta + sum(v.to(theta.device) for v in got.values())) / (1 + len(got))
             load_flat(self.model, theta)
         for j in self.targets():
             self.mail.post(j, theta)

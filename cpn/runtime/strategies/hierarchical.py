@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from cpn.runtime.codecs import ErrorFeedback
 from cpn.runtime.collectives import allreduce
-from cpn.runtime.strategies.base import Context, grads_of, timed_barrier
+from cpn.runtime.strategies.base import Context, grads_of, timed_barrier, weigh
 from cpn.runtime.strategies.ddp import DDP
 
 
 class Hierarchical(DDP):
     name = "hierarchical"
     algorithm = "hierarchical"
+    balanced = True
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
@@ -29,7 +30,9 @@ class Hierarchical(DDP):
     def after_backward(self, step: int) -> None:
         ctx = self.ctx
         timed_barrier(ctx, ctx.groups.world)
+        grads = grads_of(self.model)
+        weigh(grads, ctx.world_weight())
         with ctx.timers.timed("comm"):
-            ctx.account(allreduce(grads_of(self.model), "hierarchical", ctx.groups, op="avg", key="grads",
+            ctx.account(allreduce(grads, "hierarchical", ctx.groups, op="avg", key="grads",
                                   compression=self._compression, error_feedback=self.ef))
         self._inner_step()

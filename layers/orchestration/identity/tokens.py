@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from argon2 import PasswordHasher
@@ -53,9 +54,80 @@ async def issue_token(session: AsyncSession, account: Account, name: str, *, job
     return token
 
 
-async def create_token(session: AsyncSession, name: str, role: Role) -> str:
+async def create_token(session: AsyncSession, name: str, role: Role, *, expires_at: datetime | None = None) -> str:
     account = await ensure_account(session, name, role)
-    return await issue_token(session, account, name)
+    return await issue_token(session, account, name, expires_at=expires_at)
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """What may be shown about a token: never the secret nor its hash. `id` is the lookup part, the
+    `cpn_<id>_…` prefix of the token, so its owner can tell which one it is."""
+
+    id: str
+    account: str
+    role: str
+    job: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    state: str  # active | revoked | expired
+
+
+def _state(tok: Token, account: Account, now: datetime) -> str:
+    if tok.revoked or account.disabled:
+        return "revoked"
+    if tok.expires_at is not None and _aware(tok.expires_at) <= now:
+        return "expired"
+    return "active"
+
+
+async def list_tokens(session: AsyncSession, account: str | None = None, *, include_workers: bool = False
+                      ) -> list[TokenInfo]:
+    """Tokens, oldest first, optionally of one account; worker tokens (one per running job) only on request."""
+    stmt = select(Token, Account).join(Account, Account.id == Token.account_id).order_by(Token.created_at, Token.id)
+    if account is not None:
+        stmt = stmt.where(Account.name == account)
+    if not include_workers:
+        stmt = stmt.where(Token.job.is_(None))
+    now = datetime.now(UTC)
+    return [TokenInfo(id=tok.lookup, account=acc.name, role="worker" if tok.job else acc.role, job=tok.job,
+                      created_at=_aware(tok.created_at), expires_at=_aware(tok.expires_at) if tok.expires_at else None,
+                      state=_state(tok, acc, now))
+            for tok, acc in (await session.execute(stmt)).all()]
+
+
+def token_id(ref: str) -> str:
+    """The lookup id from `ID` or a `cpn_ID` / `cpn_ID_` prefix (never the whole token: secrets stay off
+    command lines)."""
+    parts = ref.strip().split("_")
+    if parts[0] == "cpn" and len(parts) >= 2:
+        if len(parts) > 2 and parts[2]:
+            raise errors.InvalidInput("give the token's id (the cpn_<id> prefix), not the whole token: "
+                                      "a secret on a command line lands in shell history", field="id")
+        return parts[1]
+    return parts[0]
+
+
+async def revoke(session: AsyncSession, ref: str | None = None, *, account: str | None = None) -> list[str]:
+    """Revoke one token (by id) or every token of an account; returns the ids revoked. Takes effect on
+    the next request at every server sharing the database (see `authenticate`)."""
+    stmt = select(Token).join(Account, Account.id == Token.account_id).where(Token.revoked.is_(False))
+    if ref is not None:
+        lookup = token_id(ref)
+        found = (await session.execute(select(Token).where(Token.lookup == lookup))).scalar_one_or_none()
+        if found is None:
+            raise errors.NotFound(f"no token with id {lookup!r} (see `cpn token list`)", field="id")
+        stmt = stmt.where(Token.lookup == lookup)
+    if account is not None:
+        if (await session.execute(select(Account.id).where(Account.name == account))).first() is None:
+            raise errors.NotFound(f"no account {account!r}", field="account")
+        stmt = stmt.where(Account.name == account)
+    rows = list((await session.execute(stmt)).scalars())
+    for tok in rows:
+        tok.revoked = True
+    await session.flush()
+    _cache.clear()
+    return [t.lookup for t in rows]
 
 
 async def authenticate(session: AsyncSession, header: str | None) -> Principal:
@@ -66,6 +138,7 @@ async def authenticate(session: AsyncSession, header: str | None) -> Principal:
     key = hashlib.sha256(token.encode()).hexdigest()
     hit = _cache.get(key)
     if hit and hit[0] > time.monotonic():
+        await _still_valid(session, hit[1])
         return hit[1]
     principal = await _verify(session, token)
     _cache[key] = (time.monotonic() + _CACHE_SECONDS, principal)
@@ -92,6 +165,19 @@ async def _verify(session: AsyncSession, token: str) -> Principal:
         raise errors.Unauthenticated("token expired")
     role = Role.WORKER if tok.job else Role(account.role)
     return Principal(account_id=account.id, name=account.name, role=role, token_id=tok.id, job=tok.job)
+
+
+async def _still_valid(session: AsyncSession, principal: Principal) -> None:
+    """A cached verification skips the KDF, not the database: revocation, expiry and a disabled account
+    take effect on the next request, at every replica sharing the database (one primary-key read)."""
+    row = (await session.execute(
+        select(Token.revoked, Token.expires_at, Account.disabled).join(Account, Account.id == Token.account_id)
+        .where(Token.id == principal.token_id))).first()
+    if row is None or row.revoked or row.disabled:
+        _cache.clear()
+        raise errors.Unauthenticated("token revoked")
+    if row.expires_at is not None and _aware(row.expires_at) < datetime.now(UTC):
+        raise errors.Unauthenticated("token expired")
 
 
 async def revoke_job_tokens(session: AsyncSession, job: str) -> None:

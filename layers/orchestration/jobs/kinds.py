@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from cpn.core.kinds import AGE, Column, Kind, KindRegistry
 from cpn.core.principal import Principal
 from layers.orchestration.jobs import workflow
+from layers.orchestration.jobs.retire import forget
 from layers.service.jobs import JobStore
 from layers.service.schemas import TrainingJobManifest
 
@@ -24,6 +25,9 @@ class OrchestratedJobStore(JobStore):
                      idempotency_key: str | None) -> tuple[dict[str, Any], bool]:
         return await workflow.submit(session, principal, body, idempotency_key, self.timeouts)
 
+    async def preview(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
+        return await workflow.preview(session, principal, body, self.timeouts)
+
     async def create(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
         return (await self.submit(session, principal, body, None))[0]
 
@@ -34,6 +38,15 @@ class OrchestratedJobStore(JobStore):
         await workflow.requote(session, job, self.timeouts)
         return self.to_manifest(principal, job)
 
+    async def delete(self, session: AsyncSession, principal: Principal, name: str) -> None:
+        """A finished (or never accepted) job goes: its run records with it, its bills and audit stay,
+        and its name is free again."""
+        row = await self.load(session, principal, name, lock=True)
+        self.authorize_write(principal, row)
+        await self.before_delete(session, principal, row)
+        await forget(session, row)
+        await super().delete(session, principal, name)
+
 
 def register(registry: KindRegistry, timeouts: workflow.Timeouts) -> None:
     registry.register(Kind(
@@ -42,9 +55,9 @@ def register(registry: KindRegistry, timeouts: workflow.Timeouts) -> None:
         verbs=("list", "get", "create", "update", "patch", "delete"),
         columns=(Column("PHASE", "{status.phase}"), Column("PROGRESS", "{status.progress.percent}%"),
                  Column("LOSS", "{status.progress.loss}"), Column("SITES", "{status.sites}"),
-                 Column("COST", "{status.cost.total}"), AGE,
+                 Column("COST", "{status.cost.total} {status.cost.currency}"), AGE,
                  Column("STRATEGY", "{status.strategy}", wide=True),
-                 Column("ETA", "{status.progress.etaSeconds}", wide=True))))
+                 Column("ETA", "{status.progress.etaSeconds} s", wide=True))))
     registry.register(Kind(
         kind="Quote", plural="quotes", short_names=("quote", "qt"), manifest=None, store=None, order=60,
         verbs=("list",), custom_path="/api/v1/jobs/{parent}/quotes", generic_routes=False,
@@ -52,6 +65,7 @@ def register(registry: KindRegistry, timeouts: workflow.Timeouts) -> None:
                  Column("PLACEMENT", "{placementSummary}"), Column("GPUS", "{gpus}"),
                  Column("TIME", "{predictedDuration}"), Column("WAN GB", "{wanGB}"),
                  Column("PRICE", "{price.total} {price.currency}"), Column("STATE", "{state}"),
+                 Column("NOTE", "{note}"),
                  Column("ID", "{id}", wide=True), Column("EXPIRES", "{expiresAt}", wide=True))))
     registry.register(Kind(
         kind="Reservation", plural="reservations", short_names=("reservation", "lease", "leases", "rsv"),

@@ -17,13 +17,15 @@ from cpn.core.settings import Settings
 from layers.control import capacity
 from layers.orchestration.events import record_event
 from layers.orchestration.jobs.requirements import objective, planner_inputs, prediction_dict, requirements
+from layers.orchestration.lifecycle.plan import attempt_plan, budget_note
 from layers.orchestration.planning import placement
+from layers.resource.capacity import inventory
 from layers.service import pricing
 from layers.service import quotes as quotes_mod
 from layers.service.contracts import Accepted, QuoteUnavailable, accept
-from layers.service.jobs import JobStore, load_job, set_phase
-from layers.service.models import JobRow
-from layers.service.schemas import TrainingJobSpec
+from layers.service.jobs import DRAFT_PHASES, JobStore, load_job, set_phase
+from layers.service.models import JobRow, QuoteRow
+from layers.service.schemas import TrainingJobSpec, pricing_only_reason
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,20 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
                   ) -> list[dict[str, Any]]:
     """Plan the job against live capacity and store fresh quotes; the job becomes Quoted."""
     now = now or datetime.now(UTC)
-    spec = TrainingJobSpec.model_validate(job.spec)
+    saved = await price_options(session, TrainingJobSpec.model_validate(job.spec), t, now, job_id=job.id)
+    await quotes_mod.supersede_open(session, job)
+    session.add_all(saved)
+    await session.flush()
+    if job.phase != "Quoted":
+        previous = set_phase(job, "Quoted", "Quoted", f"{len(saved)} quote(s) offered", now)
+        await record_event(session, job.name, "Normal", "Quoted",
+                           f"{previous} → Quoted: " + ", ".join(f"{q.label} {q.total:.2f} {q.currency}" for q in saved))
+    return [quotes_mod.public(q) for q in saved]
+
+
+async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeouts, now: datetime,
+                        job_id: str | None = None) -> list[QuoteRow]:
+    """Cheapest / fastest / balanced plans against live capacity, priced; the rows are not stored."""
     req = requirements(spec, now)
     pool_offers, links, _ = await capacity.snapshot(session, t.heartbeat, now)
     offers, wan = planner_inputs(pool_offers, links, spec.currency)
@@ -80,25 +95,63 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
                                        price_per_gpu_hour=o.price_per_gpu_hour, currency=o.currency)
                for o in pool_offers}
     link_prices = {frozenset((ln.a, ln.b)): Decimal(ln.price_per_gb) for ln in links}
-    await quotes_mod.supersede_open(session, job)
-    saved = []
+    link_owners = {frozenset((ln.a, ln.b)): ln.owner_id for ln in links}
+    rows, refused = [], []
     for label, plan in plans.items():
         pred = plan.prediction
-        lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices)
+        lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices,
+                                    link_owners)
         placement_lines = [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model}
                            for a in plan.assignments]
-        row = quotes_mod.new_quote(job, label, placement=placement_lines, strategy=plan.strategy, ring=plan.ring,
-                                   prediction=prediction_dict(pred), predicted_seconds=pred.total_seconds,
-                                   wan_gb=pred.wan_bytes / 1e9, lines=lines, total=pricing.total(lines),
-                                   currency=spec.currency, ttl=t.quote_ttl, now=now)
-        session.add(row)
-        saved.append(row)
-    await session.flush()
-    if job.phase != "Quoted":
-        previous = set_phase(job, "Quoted", "Quoted", f"{len(saved)} quote(s) offered", now)
-        await record_event(session, job.name, "Normal", "Quoted",
-                           f"{previous} → Quoted: " + ", ".join(f"{q.label} {q.total:.2f} {q.currency}" for q in saved))
-    return [quotes_mod.public(q) for q in saved]
+        reason, train = _unrunnable(spec, plan.strategy, placement_lines, plan.ring, links)
+        if reason is not None:  # never offer what the workers would refuse
+            refused.append(f"{label} ({plan.strategy} on {'+'.join(str(a.gpus) for a in plan.assignments)}"
+                           f" GPUs): {reason}")
+            continue
+        trains = {} if train is None else {"trains": {"tokens": train["tokens"],
+                                                      "globalBatchTokens": train["global_batch_tokens"],
+                                                      "note": budget_note(spec, train)}}
+        rows.append(quotes_mod.new_quote(
+            job_id, label, placement=placement_lines, strategy=plan.strategy, ring=plan.ring,
+            prediction={**prediction_dict(pred), **trains}, predicted_seconds=pred.total_seconds, wan_gb=pred.wan_bytes / 1e9,
+            lines=lines, total=pricing.total(lines), currency=spec.currency, ttl=t.quote_ttl, now=now))
+    if not rows and refused:
+        raise errors.Infeasible("no placement can run: " + "; ".join(refused), field=_field_of(refused[0]))
+    return rows
+
+
+def _unrunnable(spec: TrainingJobSpec, strategy: str, placement: list[dict[str, Any]], ring: list[str],
+                links: list[Any]) -> tuple[str | None, dict[str, Any] | None]:
+    """(why the workers would refuse this plan, or None; the TrainConfig they would run)."""
+    if not spec.model.runnable:
+        return None, None  # pricing-only presets are quoted for reference and refused at accept
+    try:
+        _, train = attempt_plan(spec, strategy, placement, ring, links)
+    except ValueError as exc:
+        return (str(exc).splitlines()[0] if str(exc) else type(exc).__name__), None
+    return None, train
+
+
+async def preview(session: AsyncSession, principal: Principal, body: Any, t: Timeouts) -> dict[str, Any]:
+    """A dry run of `submit`: the job as it would be created and the quotes it would get; nothing is
+    stored. A name taken by anything but this user's own not-yet-accepted draft is refused as `submit`
+    would; for a draft, `status.draft` says that submitting again refreshes its quotes in place."""
+    store = JobStore()
+    obj = store.parse(body)
+    store.authorize_write(principal, None)
+    name = obj.metadata.name
+    existing = await store.find(session, name)
+    draft = existing is not None and existing.owner_id == principal.account_id and existing.phase in DRAFT_PHASES
+    if existing is not None and not draft:
+        raise errors.AlreadyExists(f"TrainingJob {name!r} already exists and is no longer a draft; pick "
+                                   "another name", field="metadata.name")
+    spec: TrainingJobSpec = obj.spec  # type: ignore[attr-defined]
+    now = datetime.now(UTC)
+    rows = await price_options(session, spec, t, now)
+    quotes = quotes_mod.views([quotes_mod.public(q) for q in rows], None, pricing_only=pricing_only_reason(spec),
+                              now=now)
+    wire = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return {**wire, "status": {"phase": "Quoted", "dryRun": True, "draft": draft, "quotes": quotes}}
 
 
 async def accept_quote(db: Database, principal: Principal, job_name: str, ref: str, t: Timeouts) -> Accepted:
@@ -108,6 +161,7 @@ async def accept_quote(db: Database, principal: Principal, job_name: str, ref: s
         async with db.serialized(), db.session() as session:
             result = await accept(session, principal, job_name, ref, heartbeat_timeout=t.heartbeat,
                                   lease_ttl=t.lease_ttl)
+            await check_runnable(session, result, t)  # raising rolls the accept back: nothing is half-written
             await record_event(session, job_name, "Normal", "Reserved",
                                f"Quoted → Accepted → Reserved with quote {result.quote.label}: "
                                + ", ".join(f"{lease.gpus}×{lease.cluster}" for lease in result.leases))
@@ -124,3 +178,24 @@ async def accept_quote(db: Database, principal: Principal, job_name: str, ref: s
         exc.details = {"freshQuotes": fresh}
         exc.message += "; fresh quotes are offered (cpnctl get quotes " + job_name + ")"
         raise
+
+
+async def check_runnable(session: AsyncSession, accepted: Accepted, t: Timeouts) -> None:
+    """The accepted quote's first attempt, built and checked as the runtime would check it: a job its
+    workers would refuse is a 422 here, not a failed worker later."""
+    quote, job = accepted.quote, accepted.job
+    _, links = await inventory(session, t.heartbeat)
+    try:
+        attempt_plan(TrainingJobSpec.model_validate(job.spec), quote.strategy, quote.placement, quote.ring, links)
+    except ValueError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise errors.InvalidInput(f"the {quote.label} quote cannot run: {reason}", field=_field_of(reason)) from exc
+
+
+def _field_of(reason: str) -> str:
+    """The user's field a runtime refusal is about."""
+    for word, field in (("model", "spec.model"), ("batch", "spec.globalBatchTokens"), ("seq_len", "spec.model"),
+                        ("corpus", "spec.dataset"), ("tokens", "spec.tokens")):
+        if word in reason:
+            return field
+    return "spec.strategy"

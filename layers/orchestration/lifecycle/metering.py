@@ -3,6 +3,8 @@ cost so far) and ledger entries for GPU-hours and WAN egress; credits for work a
 
 from __future__ import annotations
 
+import math
+import re
 from collections import defaultdict
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -11,6 +13,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from cpn.core.db import as_utc
 from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.resource.models import ClusterRow, SiteRow
 from layers.service import billing
@@ -33,6 +36,24 @@ async def _sellers(session: AsyncSession, clusters: set[str]) -> dict[str, tuple
     rows = await session.execute(select(ClusterRow.name, SiteRow.spec, ClusterRow.owner_id)
                                  .join(SiteRow, SiteRow.id == ClusterRow.site_id).where(ClusterRow.name.in_(clusters)))
     return {name: ((site_spec or {}).get("provider") or "", owner) for name, site_spec, owner in rows.all()}
+
+
+# what the runtime's reports carry besides the user's own metrics (cpn.train's trainer.report)
+RUNTIME_KEYS = frozenset({"rank", "site", "step", "tokens", "jobTokens", "trainLoss", "valLoss", "tokensPerSecond",
+                          "computeSeconds", "commSeconds", "waitSeconds", "intraBytes", "wanBytes", "gpuSeconds",
+                          "wallSeconds", "final"})
+USER_KEY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]{0,62}$")
+
+
+def user_metrics(report: dict[str, Any], limit: int = 32) -> dict[str, float | None] | None:
+    """The user's own numeric metrics of a report (camelCase names), at most `limit`; None when none."""
+    out: dict[str, float | None] = {}
+    for k, v in report.items():
+        if k in RUNTIME_KEYS or not isinstance(k, str) or not USER_KEY_RE.match(k) or len(out) >= limit:
+            continue
+        if v is None or (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)):
+            out[k] = v
+    return out or None
 
 
 async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | None, reports: list[dict[str, Any]],
@@ -60,7 +81,7 @@ async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | Non
                               train_loss=r.get("trainLoss"), val_loss=r.get("valLoss"),
                               tokens_per_second=float(r.get("tokensPerSecond") or 0.0),
                               wall_seconds=float(r.get("wallSeconds") or 0.0),
-                              wan_bytes=float(r.get("wanBytes") or 0.0), at=now))
+                              wan_bytes=float(r.get("wanBytes") or 0.0), extra=user_metrics(r), at=now))
         key = f"{attempt}:{rank}"
         prev = meter.get(key, {"gpu": 0.0, "wan": 0.0})
         gpu_now, wan_now = float(r.get("wallSeconds") or 0.0), float(r.get("wanBytes") or 0.0)
@@ -81,21 +102,63 @@ async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | Non
 
 
 async def _post(session: AsyncSession, job: JobRow, contract: ContractRow, gpu: dict[str, float],
-                wan: dict[str, float]) -> None:
+                wan: dict[str, float]) -> list[LedgerEntry]:
     gpu_price, egress_price = _unit_prices(job)
     sellers = await _sellers(session, set(gpu) | set(wan))
-    for cluster, seconds in gpu.items():
-        if seconds > 0 and cluster in gpu_price and cluster in sellers:
-            provider, account = sellers[cluster]
-            billing.post(session, contract, provider=provider, provider_account_id=account, cluster=cluster,
-                         item="gpu-hours", quantity=Decimal(repr(seconds)) / Decimal(3600),
-                         unit_price=gpu_price[cluster])
-    for cluster, nbytes in wan.items():
-        if nbytes > 0 and cluster in egress_price and cluster in sellers:
-            provider, account = sellers[cluster]
-            billing.post(session, contract, provider=provider, provider_account_id=account, cluster=cluster,
-                         item="egress", quantity=Decimal(repr(nbytes)) / Decimal(10**9),
-                         unit_price=egress_price[cluster])
+    billed = dict(job.status.get("billed", {}))
+    posted: list[LedgerEntry] = []
+    for item, usage, prices, unit in (("gpu-hours", gpu, gpu_price, Decimal(3600)),
+                                      ("egress", wan, egress_price, Decimal(10**9))):
+        for cluster, raw in usage.items():
+            if raw > 0 and cluster in prices and cluster in sellers:
+                entry = _charge(session, contract, billed, sellers[cluster], cluster, item,
+                                Decimal(repr(raw)) / unit, prices[cluster])
+                posted.extend([entry] if entry is not None else [])
+    update_status(job, billed=billed)
+    return posted
+
+
+def _charge(session: AsyncSession, contract: ContractRow, billed: dict[str, str], seller: tuple[str, str],
+            cluster: str, item: str, quantity: Decimal, unit_price: Decimal) -> LedgerEntry | None:
+    """Post the growth of a running total (kept exact in `billed`) as the difference of its rounded
+    values, so a thousand small reports sum to the total's one rounding, not to a thousand roundings."""
+    key = f"{item}|{cluster}|{unit_price}"
+    before = Decimal(billed.get(key, "0"))
+    after = before + quantity
+    billed[key] = str(after)
+    posted_qty = billing.micro(after) - billing.micro(before)
+    posted_amount = billing.micro(after * unit_price) - billing.micro(before * unit_price)
+    if not (posted_qty or posted_amount):
+        return None
+    return billing.post(session, contract, provider=seller[0], provider_account_id=seller[1], cluster=cluster,
+                        item=item, quantity=posted_qty, unit_price=unit_price, amount=posted_amount)
+
+
+async def settle(session: AsyncSession, job: JobRow, contract: ContractRow | None, now: datetime | None = None
+                 ) -> Decimal:
+    """A job stopped before the end (cancelled, or failed) pays for the GPU time its workers held: the
+    part of each live sub-task's run that no metric report covered yet (reports stop at the end of the
+    job) is charged at the agreed price. Sub-tasks whose site failed are not: their provider's fault,
+    already credited for lost work."""
+    if contract is None or not job.status.get("attempt"):
+        return Decimal(0)
+    now = now or datetime.now(UTC)
+    attempt = int(job.status["attempt"])
+    meter = job.status.get("meter", {})
+    gpu_price, _ = _unit_prices(job)
+    subtasks = (await session.execute(select(SubtaskRow).where(SubtaskRow.job == job.name,
+                                                               SubtaskRow.attempt == attempt))).scalars().all()
+    usage: dict[str, float] = defaultdict(float)
+    for t in subtasks:
+        if t.launched_at is None or t.phase in ("Failed", "Lost") or t.cluster not in gpu_price:
+            continue
+        end = as_utc(t.finished_at) if t.finished_at else now
+        held = max(0.0, (end - as_utc(t.launched_at)).total_seconds()) * t.gpus
+        metered = sum(float(meter.get(f"{attempt}:{r}", {}).get("gpu", 0.0))
+                      for r in range(t.first_rank, t.first_rank + t.gpus))
+        usage[t.cluster] += max(0.0, held - metered)
+    posted = await _post(session, job, contract, dict(usage), {})
+    return sum((Decimal(e.amount) for e in posted), Decimal(0))
 
 
 async def credit_lost_work(session: AsyncSession, job: JobRow, contract: ContractRow | None, cluster: str,
@@ -121,7 +184,9 @@ async def refresh_progress(session: AsyncSession, job: JobRow, now: datetime | N
     rows = (await session.execute(select(MetricRow).where(MetricRow.job == job.name, MetricRow.attempt == attempt)
                                   .order_by(MetricRow.at.desc(), MetricRow.step.desc()).limit(400))).scalars().all()
     total = int((job.status.get("train") or {}).get("tokens") or job.spec.get("tokens") or 1)
-    tokens = max((r.tokens for r in rows if r.rank == 0), default=0) or max((r.tokens for r in rows), default=0)
+    # every rank reports the job-wide count as it saw it; barrier-free strategies (gossip, async_ps, ssp)
+    # see it at different times, so the newest is the largest, on whichever rank reported last
+    tokens = min(max((r.tokens for r in rows), default=0), total)
     val = next((r.val_loss for r in rows if r.val_loss is not None), None)
     train = next((r.train_loss for r in rows if r.train_loss is not None), None)
     tps = sum({r.rank: r.tokens_per_second for r in reversed(rows)}.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Float, Integer, String, Text
+from sqlalchemy import DateTime, Float, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cpn.core.db import Base, JSONType, Tracked, new_uid, utcnow
@@ -30,6 +30,30 @@ class SubtaskRow(Tracked, Base):
     launched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # desired state, written by the reconciler; reported state (phase, exit codes), written by the agent
+    desired: Mapped[str] = mapped_column(String(8), nullable=False, default="Run")
+    reported: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    first_rank: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    rendezvous: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    exit_codes: Mapped[dict[str, Any]] = mapped_column(JSONType, nullable=False, default=dict)
+    claimed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    reported_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class LogRow(Tracked, Base):
+    """Worker output shipped by the site agents, line by line, so logs outlive sites and replicas."""
+
+    __tablename__ = "subtask_logs"
+    __table_args__ = (Index("ix_subtask_logs_job_attempt", "job", "attempt", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job: Mapped[str] = mapped_column(String(63), nullable=False)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False)
+    subtask: Mapped[str] = mapped_column(String(130), nullable=False)
+    site: Mapped[str] = mapped_column(String(63), nullable=False)
+    rank: Mapped[int] = mapped_column(Integer, nullable=False)
+    line: Mapped[str] = mapped_column(Text, nullable=False)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, nullable=False)
 
 
 class MetricRow(Tracked, Base):
@@ -48,3 +72,4 @@ class MetricRow(Tracked, Base):
     tokens_per_second: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     wall_seconds: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     wan_bytes: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    extra: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)  # the user's own (cpn.train)

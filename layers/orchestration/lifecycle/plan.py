@@ -8,7 +8,16 @@ from layers.control.topology import derive
 from layers.resource.capacity import LinkView
 from layers.service.schemas import MODEL_PRESETS, RUNNABLE_PRESETS, TrainingJobSpec
 
-ELASTIC = frozenset({"diloco", "local_sgd", "gossip", "async_ps"})
+
+def _elastic() -> frozenset[str]:
+    """Strategies that go on without a lost site: the runtime's own classes say so (one source)."""
+    from cpn.runtime.strategies import STRATEGIES, strategy_class
+
+    return frozenset(name for name in STRATEGIES if strategy_class(name).elastic)
+
+
+ELASTIC = _elastic()
+CODE_UNIT = 8  # spec.code jobs: the global batch is whole multiples of this many units per worker
 
 
 def topology_for(placement: list[dict[str, Any]], ring: list[str], links: list[LinkView]) -> dict[str, Any]:
@@ -19,18 +28,38 @@ def topology_for(placement: list[dict[str, Any]], ring: list[str], links: list[L
     return derive(order, ranks, links).model_dump(mode="json")
 
 
+def rank_offsets(topology: dict[str, Any], placement: list[dict[str, Any]]) -> dict[str, int]:
+    """Global rank of each placed cluster's first worker: sites in ring order, clusters of one site
+    in placement order."""
+    first: dict[str, int] = {}
+    start = 0
+    for site in topology["sites"]:
+        at = start
+        for p in placement:
+            if p["site"] == site["name"]:
+                first[p["cluster"]] = at
+                at += int(p["gpus"])
+        start += int(site["ranks"])
+    return first
+
+
 def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str | None) -> dict[str, Any]:
-    """The runtime's TrainConfig (as JSON) for this job. The global batch is rounded to whole
-    sequences per worker, which the runtime requires."""
+    """The runtime's TrainConfig (as JSON) for this job. The global batch is rounded up to whole
+    sequences per worker, which the runtime requires, and the budget up to whole steps, so the run
+    trains at least what was asked and `Succeeded` means 100 % of what it says it trains; the quote
+    and the job's events state both numbers when they differ from the spec (`budget_note`)."""
     preset = spec.model.preset if not isinstance(spec.model, str) else spec.model  # type: ignore[union-attr]
-    if preset not in RUNNABLE_PRESETS:
+    if spec.code is not None:  # the user's code builds its model; the runtime's config only counts units
+        preset, seq_len = "tiny", CODE_UNIT
+    elif preset not in RUNNABLE_PRESETS:
         raise ValueError(f"model {preset!r} has no runnable implementation in the CPN runtime; "
                          f"use one of {sorted(RUNNABLE_PRESETS)}")
-    seq_len = MODEL_PRESETS[preset]["seqLen"]
+    else:
+        seq_len = MODEL_PRESETS[preset]["seqLen"]
     unit = seq_len * workers
     batch = max(unit, -(-spec.global_batch_tokens // unit) * unit)
-    tokens = max(spec.tokens, batch)
-    steps = max(1, tokens // batch)
+    steps = max(1, -(-spec.tokens // batch))
+    tokens = steps * batch
     inner = max(1, min(spec.inner_steps, steps))
     cfg: dict[str, Any] = {
         "model": preset, "tokens": tokens, "global_batch_tokens": batch, "seq_len": seq_len,
@@ -42,3 +71,32 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
     if resume:
         cfg["resume"] = resume
     return cfg
+
+
+def attempt_plan(spec: TrainingJobSpec, strategy: str, placement: list[dict[str, Any]], ring: list[str],
+                 links: list[LinkView], resume: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The attempt's topology and TrainConfig, checked by the runtime's own validation and preflight:
+    what a worker would refuse is refused here, at accept and again before any agent claims work.
+    Raises ValueError with the runtime's reason."""
+    from cpn.runtime.config import TrainConfig
+    from cpn.runtime.topology import Topology
+    from cpn.runtime.train import preflight
+
+    topo = topology_for(placement, ring, links)
+    workers = sum(site["ranks"] for site in topo["sites"])
+    train = train_config(spec, strategy, workers, resume)
+    config = TrainConfig.model_validate(train)
+    config.sequences_per_worker(workers)
+    preflight(config, Topology.model_validate(topo))
+    return topo, train
+
+
+def budget_note(spec: TrainingJobSpec, train: dict[str, Any]) -> str | None:
+    """What the run trains, said in the user's terms when it is not exactly what the spec asked."""
+    batch, tokens = int(train["global_batch_tokens"]), int(train["tokens"])
+    if batch == spec.global_batch_tokens and tokens == spec.tokens:
+        return None
+    steps = f"{tokens // batch:,} steps × {batch:,}"
+    if batch != spec.global_batch_tokens:
+        steps += f" (batch of whole {train['seq_len']}-token sequences per worker)"
+    return f"trains {tokens:,} tokens: {steps}"

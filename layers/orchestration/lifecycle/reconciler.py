@@ -1,69 +1,72 @@
-"""The reconciler: drives every job from Reserved to a terminal phase. Restart-safe — all state
-lives in the database and in the drivers' idempotent launches (keyed job/sub-task/attempt), so a
-killed and restarted API server picks up where it was and launches nothing twice."""
+"""The reconciler: drives every job from Reserved to a terminal phase. It writes desired state
+(the sub-tasks of each attempt and whether they should run) and reads the state that the site
+agents report; it never starts a worker or calls a site. Level-triggered and restart-safe: all
+state lives in the database, and agents claim each sub-task idempotently, so a killed and
+restarted API server picks up where it was and nothing is launched twice."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
-from cpn.core.db import Database
-from cpn.runtime.launcher import free_port
+from cpn.core.db import Database, as_utc
+from cpn.core.phases import JOB_ACTIVE, SUBTASK_DONE
 from layers.control import leases
 from layers.orchestration.events import record_event
-from layers.orchestration.identity.models import Account
-from layers.orchestration.identity.tokens import issue_token, revoke_job_tokens
+from layers.orchestration.identity.tokens import revoke_job_tokens
 from layers.orchestration.lifecycle import metering
+from layers.orchestration.lifecycle.leader import Leadership
 from layers.orchestration.lifecycle.models import SubtaskRow
-from layers.orchestration.lifecycle.plan import ELASTIC, topology_for, train_config
+from layers.orchestration.lifecycle.plan import ELASTIC, attempt_plan, budget_note, rank_offsets
 from layers.orchestration.lifecycle.replan import replace_placement, ring_of
 from layers.resource.capacity import inventory
-from layers.resource.drivers.base import JobLaunch, SubtaskLaunch, SubtaskState
-from layers.resource.drivers.local import driver_for
+from layers.resource.drivers.base import SubtaskState
 from layers.resource.models import ClusterRow
 from layers.resource.stores import is_ready
 from layers.service.contracts import contract_of
-from layers.service.jobs import TERMINAL, set_phase, update_status
+from layers.service.jobs import set_phase, update_status
 from layers.service.models import JobRow
 from layers.service.schemas import TrainingJobSpec
 
 log = logging.getLogger("cpn.reconciler")
-ACTIVE = ("Reserved", "Launching", "Running")
-DONE = ("Succeeded", "Failed", "Cancelled", "Lost")
+ACTIVE = JOB_ACTIVE
+DONE = SUBTASK_DONE
 MAX_ATTEMPTS = 3
+MAX_STRIKES = 3  # a job whose pass raises this many times in a row fails alone
 
 
 @dataclass
 class ReconcilerConfig:
-    run_root: Path
-    metrics_base_url: str
     heartbeat_timeout: timedelta
     lease_ttl: timedelta
-    wan_emulation: bool = False
+    claim_timeout: timedelta = timedelta(seconds=120)
     interval: float = 1.0
 
 
 class Reconciler:
     def __init__(self, db: Database, cfg: ReconcilerConfig):
         self.db, self.cfg = db, cfg
-        self.tokens: dict[str, str] = {}  # job → worker token (in memory only; re-issued after a restart)
+        self.strikes: dict[str, int] = {}  # job → consecutive passes that raised
+        self.leadership = Leadership(db)
 
     async def run_forever(self) -> None:
-        while True:
-            try:
-                await self.reconcile_once()
-            except Exception:  # noqa: BLE001 - one bad pass must not stop the loop
-                log.exception("reconcile pass failed")
-            await asyncio.sleep(self.cfg.interval)
+        """Passes while this replica leads (always, on SQLite); the others only try to take the lead."""
+        try:
+            while True:
+                try:
+                    if await self.leadership.ensure():
+                        await self.reconcile_once()
+                except Exception:  # noqa: BLE001 - one bad pass must not stop the loop
+                    log.exception("reconcile pass failed")
+                await asyncio.sleep(self.cfg.interval)
+        finally:
+            await self.leadership.release()
 
     async def reconcile_once(self) -> None:
         async with self.db.session() as s:
@@ -73,112 +76,119 @@ class Reconciler:
                     await self._finish(s, row, "Failed", "LeaseExpired", "the job did not start before its leases expired")
             names = list((await s.execute(select(JobRow.name).where(JobRow.phase.in_(ACTIVE)))).scalars())
         for name in names:
+            await self.reconcile_job(name)
+
+    async def reconcile_job(self, name: str) -> None:
+        """One job, one transaction. A job whose pass raises is failed alone, with the cause in its
+        conditions and events, in a transaction of its own; no other job waits on it."""
+        try:
             async with self.db.serialized(), self.db.session() as s:
                 job = (await s.execute(select(JobRow).where(JobRow.name == name).with_for_update())).scalar_one()
                 if job.phase in ACTIVE:
                     await self.step(s, job)
+        except (errors.StaleVersion, errors.Unavailable) as exc:  # a concurrent writer won: next pass
+            log.info("reconciling job %s deferred: %s", name, exc.message)
+        except Exception as exc:  # noqa: BLE001 - isolate the job; the pass goes on for the others
+            self.strikes[name] = self.strikes.get(name, 0) + 1
+            log.exception("reconciling job %s failed (%d of %d)", name, self.strikes[name], MAX_STRIKES)
+            if self.strikes[name] >= MAX_STRIKES:
+                await self._fail_alone(name, exc)
+        else:
+            self.strikes.pop(name, None)
+
+    async def _fail_alone(self, name: str, exc: Exception) -> None:
+        cause = exc.message if isinstance(exc, errors.CPNError) else f"{type(exc).__name__}: {exc}"
+        try:
+            async with self.db.serialized(), self.db.session() as s:
+                job = (await s.execute(select(JobRow).where(JobRow.name == name).with_for_update())).scalar_one()
+                if job.phase in ACTIVE:
+                    await self._finish(s, job, "Failed", "ReconcileError", f"the job could not be run: {cause}")
+        except Exception:  # noqa: BLE001 - never let one job stop the loop
+            log.exception("could not fail job %s", name)
 
     async def step(self, s: AsyncSession, job: JobRow) -> None:
         if job.phase == "Reserved":
             await self._prepare_attempt(s, job)
+            if job.phase not in ACTIVE:  # the attempt could not be prepared: the job has failed
+                return
         subtasks = await self._subtasks(s, job)
-        launch = self._launch_spec(job)
-        pending = [t for t in subtasks if t.launches == 0]
-        if pending:
-            await self._launch(s, job, launch, pending)
-        states = await self._poll(job, launch, subtasks)
-        await self._apply_states(s, job, subtasks, states)
+        await self._apply_states(s, job, subtasks, await self._observe(s, job, subtasks))
 
     # ---------------------------------------------------------------- attempts
     async def _prepare_attempt(self, s: AsyncSession, job: JobRow) -> None:
+        """Write the attempt's desired state: one sub-task per placed cluster, to be claimed by the
+        cluster's agent. A retry resumes from the job's checkpoints in the server's blob store."""
         attempt = int(job.status.get("attempt", 0)) + 1
         spec = TrainingJobSpec.model_validate(job.spec)
         placement, ring = job.status["placement"], job.status.get("ring") or []
         _, links = await inventory(s, self.cfg.heartbeat_timeout)
-        topo = topology_for(placement, ring, links)
-        workers = sum(site["ranks"] for site in topo["sites"])
-        resume = str(self.cfg.run_root / job.name / "checkpoints") if attempt > 1 else None
-        try:
-            train = train_config(spec, job.status["strategy"], workers, resume)
+        try:  # the runtime's own validation and preflight, here, before any agent claims anything
+            topo, train = attempt_plan(spec, job.status["strategy"], placement, ring, links,
+                                       "server" if attempt > 1 else None)
         except ValueError as exc:
             await self._finish(s, job, "Failed", "NotRunnable", str(exc))
             return
         index = {site["name"]: i for i, site in enumerate(topo["sites"])}
         clusters = {c.name: c for c in (await s.execute(select(ClusterRow))).scalars()}
+        offsets = rank_offsets(topo, placement)
         for p in placement:
             cluster = p["cluster"].split("/")[0]
             name = f"{job.name}-{cluster}"
             s.add(SubtaskRow(job=job.name, name=name, attempt=attempt, launch_key=f"{job.name}/{name}/{attempt}",
                              cluster=cluster, site=p["site"], site_index=index[p["site"]], gpus=int(p["gpus"]),
+                             first_rank=offsets[p["cluster"]], desired="Run", exit_codes={},
                              driver=clusters[cluster].driver if cluster in clusters else "local", phase="Pending"))
-        update_status(job, attempt=attempt, topology=topo, train=train, masterPort=free_port(),
+        note = budget_note(spec, train)
+        if note and attempt == 1:
+            await record_event(s, job.name, "Normal", "BudgetRounded", note)
+        update_status(job, attempt=attempt, topology=topo, train=train,
                       checkpointEvery=train["checkpoint_every"], sites=f"0/{len(placement)}")
         await leases.hold(s, job.name, datetime.now(UTC) + timedelta(days=30))
-        set_phase(job, "Launching", "Launching", f"attempt {attempt}: launching {len(placement)} sub-task(s)")
+        set_phase(job, "Launching", "Launching", f"attempt {attempt}: waiting for the agents of "
+                  + ", ".join(sorted({p['cluster'].split('/')[0] for p in placement})) + " to claim their sub-tasks")
         await record_event(s, job.name, "Normal", "Launching", f"Reserved → Launching (attempt {attempt})")
         await s.flush()
 
     async def _subtasks(self, s: AsyncSession, job: JobRow) -> list[SubtaskRow]:
         attempt = int(job.status.get("attempt", 1))
         stmt = select(SubtaskRow).where(SubtaskRow.job == job.name, SubtaskRow.attempt == attempt)
-        return list((await s.execute(stmt.order_by(SubtaskRow.site_index))).scalars())
+        return list((await s.execute(stmt.order_by(SubtaskRow.site_index, SubtaskRow.first_rank))).scalars())
 
-    def _launch_spec(self, job: JobRow) -> JobLaunch:
-        return JobLaunch(job=job.name, attempt=int(job.status.get("attempt", 1)), topology=job.status["topology"],
-                         train=job.status["train"], master_port=int(job.status["masterPort"]),
-                         metrics_url=f"{self.cfg.metrics_base_url}/api/v1/jobs/{job.name}/metrics",
-                         metrics_token=self.tokens.get(job.name), run_root=self.cfg.run_root,
-                         elastic=job.status.get("strategy") in ELASTIC, wan_emulation=self.cfg.wan_emulation)
-
-    async def _launch(self, s: AsyncSession, job: JobRow, launch: JobLaunch, pending: list[SubtaskRow]) -> None:
-        if job.name not in self.tokens:
-            owner = (await s.execute(select(Account).where(Account.id == job.owner_id))).scalar_one()
-            self.tokens[job.name] = await issue_token(s, owner, f"worker-{job.name}", job=job.name)
-            launch = JobLaunch(**{**launch.__dict__, "metrics_token": self.tokens[job.name]})
-        by_driver: dict[str, list[SubtaskRow]] = {}
-        for t in pending:
-            by_driver.setdefault(t.driver, []).append(t)
-        specs_of = {c.name: c.spec for c in (await s.execute(
-            select(ClusterRow).where(ClusterRow.name.in_({t.cluster for t in pending})))).scalars()}
-        for name, rows in by_driver.items():
-            specs = [SubtaskLaunch(subtask=t.name, cluster=t.cluster, site_index=t.site_index, ranks=t.gpus,
-                                   key=t.launch_key, cluster_spec=specs_of.get(t.cluster, {})) for t in rows]
-            handles = await driver_for(name).launch(launch, specs)
-            now = datetime.now(UTC)
-            for t in rows:
-                t.handle, t.launches, t.launched_at, t.phase = handles[t.name], t.launches + 1, now, "Launching"
-                await record_event(s, job.name, "Normal", "SubtaskLaunched",
-                                   f"{t.name} on {t.cluster} ({t.gpus} workers, key {t.launch_key})", subtask=t.name)
-
-    async def _poll(self, job: JobRow, launch: JobLaunch, subtasks: list[SubtaskRow]) -> dict[str, SubtaskState]:
+    async def _observe(self, s: AsyncSession, job: JobRow, subtasks: list[SubtaskRow]) -> dict[str, SubtaskState]:
+        """What the agents reported, and what their silence means: an agent past the heartbeat
+        timeout has lost its site; a sub-task nobody claims in time cannot run."""
+        clusters = {c.name: c for c in (await s.execute(select(ClusterRow))).scalars()}
+        now = datetime.now(UTC)
         states: dict[str, SubtaskState] = {}
-        by_driver: dict[str, dict[str, dict[str, Any]]] = {}
         for t in subtasks:
-            if t.launches and t.phase not in DONE:
-                by_driver.setdefault(t.driver, {})[t.name] = t.handle
-        for name, handles in by_driver.items():
-            states.update(await driver_for(name).poll(launch, handles))
+            if t.phase in DONE:
+                continue
+            cluster = clusters.get(t.cluster)
+            if t.phase == "Pending":
+                waited = now - as_utc(t.created_at)
+                if waited > self.cfg.claim_timeout:
+                    states[t.name] = SubtaskState("Failed", f"no agent of cluster {t.cluster} claimed the sub-task "
+                                                  f"within {int(self.cfg.claim_timeout.total_seconds())} s",
+                                                  {"claim": -9})
+                continue
+            if cluster is not None and not is_ready(cluster, self.cfg.heartbeat_timeout)[0]:
+                states[t.name] = SubtaskState("Lost", f"the agent of cluster {t.cluster} stopped heartbeating",
+                                              {"heartbeat": -9})
+            elif t.reported and t.reported != t.phase:
+                states[t.name] = SubtaskState(t.reported, (t.handle or {}).get("message", ""), dict(t.exit_codes or {}))
         return states
 
     # ---------------------------------------------------------------- state
     async def _apply_states(self, s: AsyncSession, job: JobRow, subtasks: list[SubtaskRow],
                             states: dict[str, SubtaskState]) -> None:
-        clusters = {c.name: c for c in (await s.execute(select(ClusterRow))).scalars()}
         for t in subtasks:
             state = states.get(t.name)
-            if state is None:
-                continue
-            cluster = clusters.get(t.cluster)
-            if state.phase in ("Running", "Launching") and cluster is not None \
-                    and not is_ready(cluster, self.cfg.heartbeat_timeout)[0]:
-                await self._kill_site(job, t, state)
-                state = SubtaskState(phase="Failed", message=f"cluster {t.cluster} stopped heartbeating",
-                                     exit_codes={"heartbeat": -9})
-            if state.phase != t.phase:
+            if state is not None and state.phase != t.phase:
                 await self._transition(s, job, t, state)
         live = [t for t in subtasks if t.phase not in DONE]
         running = [t for t in subtasks if t.phase == "Running"]
-        update_status(job, sites=f"{len(running)}/{len(subtasks)}")
+        working = [t for t in subtasks if t.phase in ("Running", "Succeeded")]  # a finished site did its part
+        update_status(job, sites=f"{len(working)}/{len(subtasks)}")
         if job.phase == "Launching" and running:
             set_phase(job, "Running", "WorkersRunning", f"{len(running)} of {len(subtasks)} sub-tasks running")
             await record_event(s, job.name, "Normal", "Running", "Launching → Running")
@@ -204,16 +214,10 @@ class Reconciler:
                                f"site {t.site} ({t.cluster}) failed; {credit:.2f} credited for lost work; "
                                + ("the job continues on the other sites" if job.status.get("strategy") in ELASTIC
                                   else "the attempt restarts from its latest checkpoint"), subtask=t.name)
-            if job.status.get("strategy") not in ELASTIC:
-                await driver_for(t.driver).cancel(self._launch_spec(job), {t.name: t.handle})
-
-    async def _kill_site(self, job: JobRow, t: SubtaskRow, state: SubtaskState) -> None:
-        import os
-        import signal
-
-        for pid in state.pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+            t.desired = "Stop"
+            never_formed = "claim" in state.exit_codes  # the world never met: no strategy can go on without it
+            if never_formed or job.status.get("strategy") not in ELASTIC:  # a synchronous attempt ends here
+                await self._stop_subtasks(s, job)
 
     async def _attempt_over(self, s: AsyncSession, job: JobRow, subtasks: list[SubtaskRow]) -> None:
         ok = [t for t in subtasks if t.phase == "Succeeded"]
@@ -232,9 +236,14 @@ class Reconciler:
         live capacity (never on the failed sites); fail only when no feasible placement remains."""
         attempt = int(job.status.get("attempt", 1))
         failed_sites = _culprits(job, attempt, {t.site for t in subtasks if t.phase in ("Failed", "Lost")})
+        cause = "; ".join(f"{t.site}: {t.message}" for t in subtasks if t.phase in ("Failed", "Lost") and t.message)
+        if not _site_lost(job, attempt):
+            await self._finish(s, job, "Failed", "WorkersFailed",
+                               f"the workers failed on their own (no site was lost), so a retry would fail too: {cause}")
+            return
         if attempt >= MAX_ATTEMPTS:
             await self._finish(s, job, "Failed", "TooManyAttempts",
-                               f"attempt {attempt} failed on {sorted(failed_sites)}; giving up after {attempt}")
+                               f"attempt {attempt} failed on {sorted(failed_sites)}; giving up after {attempt}: {cause}")
             return
         try:  # reserve() checks every cluster before it writes a lease, so a refusal leaves nothing behind
             lines = await replace_placement(s, job, failed_sites, heartbeat_timeout=self.cfg.heartbeat_timeout,
@@ -251,30 +260,33 @@ class Reconciler:
     async def _finish(self, s: AsyncSession, job: JobRow, phase: str, reason: str, message: str) -> None:
         previous = set_phase(job, phase, reason, message)
         released = await leases.release(s, job.name, f"job {phase.lower()}")
+        await self._stop_subtasks(s, job)
         await revoke_job_tokens(s, job.name)
-        self.tokens.pop(job.name, None)
         contract = await contract_of(s, job)
         if contract is not None:
             contract.state = {"Succeeded": "completed", "Failed": "failed"}.get(phase, "cancelled")
+        if phase != "Succeeded":  # the work done until now is paid for; reports stop here
+            await metering.settle(s, job, contract)
         await metering.refresh_progress(s, job)
         _record_accuracy(job)
         await record_event(s, job.name, "Normal" if phase == "Succeeded" else "Warning", phase,
                            f"{previous} → {phase}: {message} ({released} lease(s) released)")
 
     async def cancel(self, s: AsyncSession, job: JobRow) -> None:
-        """Stop a job now: signal its drivers, release everything, phase Cancelled."""
+        """Stop a job now: its agents are told to stop the workers; leases are released at once."""
         update_status(job, cancelRequested=True)
-        if job.phase in ("Launching", "Running") and job.status.get("attempt"):
-            launch = self._launch_spec(job)
-            subtasks = await self._subtasks(s, job)
-            by_driver: dict[str, dict[str, dict[str, Any]]] = {}
-            for t in subtasks:
-                if t.phase not in DONE:
-                    by_driver.setdefault(t.driver, {})[t.name] = t.handle
-                    t.phase, t.finished_at = "Cancelled", datetime.now(UTC)
-            for name, handles in by_driver.items():
-                await driver_for(name).cancel(launch, handles)
         await self._finish(s, job, "Cancelled", "Cancelled", "cancelled by the user")
+
+    async def _stop_subtasks(self, s: AsyncSession, job: JobRow) -> None:
+        """Desired state Stop for every live sub-task; those no agent claimed yet end here."""
+        if not job.status.get("attempt"):
+            return
+        for t in await self._subtasks(s, job):
+            if t.phase in DONE:
+                continue
+            t.desired = "Stop"
+            if t.phase == "Pending":
+                t.phase, t.finished_at = "Cancelled", datetime.now(UTC)
 
 
 def _culprits(job: JobRow, attempt: int, failed: set[str]) -> set[str]:
@@ -282,6 +294,10 @@ def _culprits(job: JobRow, attempt: int, failed: set[str]) -> set[str]:
     peers that crashed because a collective lost its partner are not (Gloo raises on them)."""
     killed = {f["site"] for f in job.status.get("failedSites", []) if f["attempt"] == attempt and f["killed"]}
     return (killed & failed) or failed
+
+
+def _site_lost(job: JobRow, attempt: int) -> bool:
+    return any(f["killed"] for f in job.status.get("failedSites", []) if f["attempt"] == attempt)
 
 
 def _record_accuracy(job: JobRow) -> None:
@@ -295,6 +311,3 @@ def _record_accuracy(job: JobRow) -> None:
     update_status(job, measured={"wallSeconds": round(wall, 1), "predictedSeconds": round(float(predicted), 1),
                                  "ratio": round(wall / float(predicted), 3) if predicted else None})
 
-
-def is_terminal(job: JobRow) -> bool:
-    return job.phase in TERMINAL

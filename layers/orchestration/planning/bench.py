@@ -27,7 +27,9 @@ from layers.orchestration.planning.types import ClusterOffer, JobRequirements, M
 __all__ = ["example_world", "offers_from_manifests", "optimality_gap", "run", "worked_example"]
 
 PROVIDER_LABEL = "cpn.io/provider"
-MODEL_SIZES = (1_300_000_000, 7_000_000_000, 13_000_000_000, 34_000_000_000, 70_000_000_000)
+# Data parallel only: each worker holds a whole replica, so the sizes stop where one 80 GB GPU still can
+# (perf.worker_memory_gb); larger models would need tensor or pipeline parallelism, which CPN does not plan.
+MODEL_SIZES = (350_000_000, 1_300_000_000, 2_700_000_000, 7_000_000_000, 13_000_000_000)
 
 
 def offers_from_manifests(docs: Iterable[dict[str, Any]]) -> tuple[list[ClusterOffer], list[WanLink]]:

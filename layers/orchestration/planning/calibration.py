@@ -16,11 +16,12 @@ from __future__ import annotations
 from decimal import Decimal
 
 from layers.orchestration.planning.types import ClusterOffer
+from layers.resource.gpus import CPU_SLOT_TFLOPS
 
 __all__ = ["CPU_MODEL", "CPU_TFLOPS", "MFU", "effective_tflops", "local_slot_offer", "mfu"]
 
 CPU_MODEL = "CPU"
-CPU_TFLOPS = 0.05
+CPU_TFLOPS = CPU_SLOT_TFLOPS
 CPU_MEMORY_GB = 4.0
 DEFAULT_MFU = 0.35
 

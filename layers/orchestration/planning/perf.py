@@ -55,8 +55,8 @@ from layers.orchestration.planning.types import (
 )
 
 __all__ = [
-    "STARTUP_SECONDS", "TOKEN_EFFICIENCY", "flops_per_step", "predict", "ring_allreduce_seconds", "site_comm",
-    "steps_for", "wan_bytes_per_param", "wire_ratio",
+    "STARTUP_SECONDS", "TOKEN_EFFICIENCY", "TRAINING_STATE_BYTES", "flops_per_step", "predict",
+    "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param", "wire_ratio", "worker_memory_gb",
 ]
 
 STARTUP_SECONDS = 120.0
@@ -70,6 +70,12 @@ WAN_PAYLOAD_BYTES: dict[str, int] = {
     "ddp": 2, "hierarchical": 2, "diloco": 4, "local_sgd": 4, "ssp": 4, "gossip": 4, "async_ps": 4,
 }
 _INT8_CHUNK = 256
+# Every strategy keeps a whole replica on each worker: at the least its bf16 weights and gradients
+# (2 + 2 B per parameter; optimiser state can be sharded over the data-parallel workers, ZeRO-1/2)
+# and the activations of one sequence (≈34 B · seq · hidden · layers, Korthikanti et al. 2022, no
+# recomputation). A GPU smaller than that cannot hold the job whatever the strategy.
+TRAINING_STATE_BYTES = 4
+ACTIVATION_BYTES = 34
 
 
 def wire_ratio(compression: str | None) -> float:
@@ -89,6 +95,12 @@ def wan_bytes_per_param(strategy: str, compression: str | None) -> float:
 
 def steps_for(req: JobRequirements, strategy: str) -> int:
     return math.ceil(req.tokens * TOKEN_EFFICIENCY[strategy] / req.global_batch_tokens)
+
+
+def worker_memory_gb(req: JobRequirements) -> float:
+    """GB one worker (one GPU) needs at the least to train the model: its replica and one sequence."""
+    m = req.model
+    return (m.parameters * TRAINING_STATE_BYTES + ACTIVATION_BYTES * m.seq_len * m.hidden * m.layers) / 1e9
 
 
 def flops_per_step(req: JobRequirements) -> float:

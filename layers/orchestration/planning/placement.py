@@ -204,10 +204,51 @@ def solve(problem: Problem, solver: str = "auto") -> Plan | None:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     quick = heuristic.solve(problem)
     if solver == "exact":
-        return exact.solve(problem, incumbent=quick)
+        return runnable(problem, exact.solve(problem, incumbent=quick))
     if solver == "auto" and len(problem.offers) <= EXACT_UP_TO:
-        return exact.solve(problem, incumbent=quick, time_limit=AUTO_EXACT_SECONDS)
-    return quick
+        return runnable(problem, exact.solve(problem, incumbent=quick, time_limit=AUTO_EXACT_SECONDS))
+    return runnable(problem, quick)
+
+
+def runnable(problem: Problem, best: Plan | None) -> Plan | None:
+    """The plan as the runtime can run it. Hierarchical all-reduce needs the same number of workers
+    at every site (`cpn.runtime.train.preflight`): an uneven plan is evened out, or, when the user
+    left the strategy to CPN, run with DiLoCo instead; None when neither fits the constraints."""
+    if best is None or best.strategy != "hierarchical":
+        return best
+    per_site: dict[str, int] = {}
+    for a in best.assignments:
+        per_site[a.site] = per_site.get(a.site, 0) + a.gpus
+    if len(set(per_site.values())) == 1:
+        return best
+    position = {o.name: i for i, o in enumerate(problem.offers)}
+    counts = {position[a.cluster]: a.gpus for a in best.assignments}
+    even = _evened(problem, counts, sorted(per_site))
+    fixed = problem.evaluate(even, "hierarchical", best.solver) if even else None
+    if fixed is None and problem.req.strategy == "auto":
+        fixed = problem.evaluate(counts, "diloco", best.solver)
+    return fixed
+
+
+def _evened(problem: Problem, counts: dict[int, int], sites: list[str]) -> dict[int, int] | None:
+    """The same sites with an equal number of GPUs each, as close to the plan's total as the limits allow;
+    each site fills from the clusters the plan used there first, then its cheapest per effective TFLOP."""
+    n, total = len(sites), sum(counts.values())
+    members = {s: [i for i in range(len(problem.offers)) if problem.offers[i].site == s] for s in sites}
+    room = min(int(problem.free[members[s]].sum()) for s in sites)
+    options = [t for t in range(1, room + 1) if problem.gpus_min <= t * n <= problem.gpus_max]
+    if not options:
+        return None
+    per_site = min(options, key=lambda t: (abs(t * n - total), -t))
+    even: dict[int, int] = {}
+    for s in sites:
+        order = sorted(members[s], key=lambda i: (-counts.get(i, 0), problem.price[i] / problem.eff[i]))
+        need = per_site
+        for i in order:
+            take = min(need, int(problem.free[i]))
+            if take:
+                even[i], need = take, need - take
+    return even
 
 
 def build_problem(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink],
@@ -275,17 +316,30 @@ def _candidates(req: JobRequirements, offers: list[ClusterOffer]) -> list[Cluste
     if not placed:
         raise Infeasible(f"no {_models(req)} clusters {_where(req)}".replace("  ", " "),
                          field="spec.placement.regions")
-    candidates = [o for o in placed if o.free_gpus > 0 and o.currency == req.currency]
+    candidates = [o for o in _fitting(req, placed) if o.free_gpus > 0 and o.currency == req.currency]
     free = sum(o.free_gpus for o in candidates)
     if free < req.gpus_min:
         label = f"{_models(req)} GPUs" if req.gpu_models else "GPUs"
-        raise Infeasible(f"no placement: only {free} {label} free {_where(req)}, {req.gpus_min} requested",
-                         field="spec.gpus.min")
+        raise Infeasible(f"No placement has {req.gpus_min} {label} free {_where(req)}; at most {free} "
+                         f"{'is' if free == 1 else 'are'}", field="spec.gpus.min")
     sites = {o.site for o in candidates}
     if len(sites) < req.sites_min:
-        raise Infeasible(f"no placement: only {len(sites)} sites have free GPUs {_where(req)}, "
-                         f"sites.min is {req.sites_min}", field="spec.sites.min")
+        raise Infeasible(f"No placement spans {req.sites_min} sites with free GPUs {_where(req)}; at most "
+                         f"{len(sites)} {'does' if len(sites) == 1 else 'do'}", field="spec.sites.min")
     return candidates
+
+
+def _fitting(req: JobRequirements, offers: list[ClusterOffer]) -> list[ClusterOffer]:
+    """Offers whose GPUs hold a whole replica's training state (memory 0 = not reported: kept)."""
+    need = perf.worker_memory_gb(req)
+    fits = [o for o in offers if o.memory_gb <= 0 or o.memory_gb >= need]
+    if offers and not fits:
+        largest = max(o.memory_gb for o in offers)
+        raise Infeasible(f"The model needs at least {need:.1f} GB per GPU to train (every worker holds a whole "
+                         f"replica: bf16 weights and gradients, {perf.TRAINING_STATE_BYTES} bytes per parameter, "
+                         f"and one sequence's activations); the largest GPU offered {_where(req)} has "
+                         f"{largest:g} GB. Choose a smaller model", field="spec.model")
+    return fits
 
 
 def _set_references(problem: Problem) -> None:
@@ -309,6 +363,11 @@ def diagnose(problem: Problem, solver: str) -> Infeasible:
     req = problem.req
     relaxed = _relax(problem, deadline=None, budget=None)
     fastest = solve(_with_objective(relaxed, Objective(cost=0.0, time=1.0)), solver)
+    if fastest is None and req.strategy == "hierarchical":
+        return Infeasible(f"no placement gives every site the same number of GPUs, which hierarchical "
+                          f"all-reduce needs, between {problem.gpus_min} and {problem.gpus_max} GPUs over "
+                          f"{problem.sites_min} or more sites: use ddp or diloco, or a GPU count the sites "
+                          "can share evenly", field="spec.strategy")
     if fastest is None:
         return Infeasible(f"no placement: no {problem.sites_min} sites with free GPUs {_where(req)} "
                           "are all linked to each other", field="spec.sites.min")

@@ -1,35 +1,46 @@
-"""The `local` driver: runs a job attempt's workers as processes on this machine through the
-runtime's job runner (detached, so workers outlive an API-server restart), in emulated-WAN network
-namespaces when the job asks for it and root allows."""
+"""The `local` driver: runs a sub-task's workers as processes on the agent's machine through the
+runtime's job runner — detached, so the workers outlive an agent that is killed, and a restarted
+agent finds them again from the run directories under its state directory.
+
+    STATE/runs/<job>.<uid8>/attempt-<n>/<subtask>/spec.json     the contract (0600: it holds the worker token)
+                                          /runner.pid    the job runner's pid
+                                          /status.json   what the runner reports (phase, exit codes)
+                                          /site-<i>/rank<r>.log
+    STATE/runs/<job>.<uid8>/checkpoints/                  this site's copy of the job's checkpoints
+"""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from layers.resource.drivers.base import DriverError, JobLaunch, SubtaskLaunch, SubtaskState
+from cpn.runtime.contract import AttemptSpec
+from layers.resource.drivers.base import LogLine, SubtaskState
+
+RUNNER_DONE = ("Finished", "Cancelled", "Error", "TimedOut")
+MAX_LOG_BYTES = 256 * 1024  # per poll and rank: a chatty worker cannot flood the agent's report
 
 
-def attempt_dir(job: JobLaunch) -> Path:
-    return job.run_root / job.job / f"attempt-{job.attempt}"
+def run_dir(state_dir: Path, spec: AttemptSpec) -> Path:
+    folder = f"{spec.job}.{spec.job_uid[:8]}" if spec.job_uid else spec.job  # one folder per job, not per name
+    return state_dir / "runs" / folder / f"attempt-{spec.attempt}" / spec.subtask
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie child of ours counts as dead and is reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    try:  # a zombie child of ours is dead too
+    try:
         waited, _ = os.waitpid(pid, os.WNOHANG)
         return waited == 0
     except ChildProcessError:
@@ -39,85 +50,88 @@ def _alive(pid: int) -> bool:
 class LocalDriver:
     name = "local"
 
-    async def launch(self, job: JobLaunch, subtasks: list[SubtaskLaunch]) -> dict[str, dict[str, Any]]:
-        run_dir = attempt_dir(job)
-        handles = {s.subtask: {"runDir": str(run_dir), "siteIndex": s.site_index, "key": s.key} for s in subtasks}
-        run_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, state_dir: Path, env: dict[str, str] | None = None):
+        self.state_dir, self.env = state_dir, env or {}
+
+    async def launch(self, spec: AttemptSpec) -> dict[str, Any]:
+        directory = run_dir(self.state_dir, spec)
+        handle = {"runDir": str(directory)}
+        directory.mkdir(parents=True, exist_ok=True)
         try:  # the lock makes the launch happen once, whoever asks again and whenever
-            fd = os.open(run_dir / "launch.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            fd = os.open(directory / "launch.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
-            return handles
+            return handle
         with os.fdopen(fd, "w") as lock:
-            lock.write(json.dumps({"keys": [s.key for s in subtasks]}))
-        spec = {"job": job.job, "attempt": job.attempt, "topology": job.topology, "train": job.train,
-                "sites": [{"index": s.site_index, "subtask": s.subtask} for s in subtasks],
-                "master_port": job.master_port, "metrics_url": job.metrics_url, "metrics_token": job.metrics_token,
-                "checkpoint_dir": str(job.run_root / job.job / "checkpoints"), "elastic": job.elastic,
-                "wan_emulation": job.wan_emulation}
-        (run_dir / "runner.json").write_text(json.dumps(spec))
-        os.chmod(run_dir / "runner.json", 0o600)  # it holds the worker token
-        with open(run_dir / "runner.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "cpn.runtime.jobrunner", str(run_dir)], stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=str(run_dir))
-        (run_dir / "runner.pid").write_text(str(proc.pid))
-        return handles
+            lock.write(json.dumps({"job": spec.job, "attempt": spec.attempt, "subtask": spec.subtask}))
+        spec_path = directory / "spec.json"
+        fd = os.open(spec_path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(spec.model_dump_json())
+        with open(directory / "runner.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "cpn.runtime.jobrunner", str(directory)], stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=str(directory),
+                                    env={**os.environ, **self.env})
+        (directory / "runner.pid").write_text(str(proc.pid))
+        return handle
 
-    async def poll(self, job: JobLaunch, handles: dict[str, dict[str, Any]]) -> dict[str, SubtaskState]:
-        run_dir = attempt_dir(job)
-        status = _read_json(run_dir / "status.json")
-        pid = int((run_dir / "runner.pid").read_text()) if (run_dir / "runner.pid").exists() else None
-        runner_alive = pid is not None and _alive(pid)
-        by_index = {s["index"]: s for s in (status or {}).get("sites", [])}
-        out = {}
-        for subtask, handle in handles.items():
-            site = by_index.get(handle["siteIndex"])
-            if site is None:
-                phase = "Launching" if runner_alive or status is None else "Lost"
-                message = (status or {}).get("message", "") if phase == "Lost" else "starting workers"
-                if status and status.get("phase") == "Error":
-                    phase, message = "Failed", status.get("message", "runner error")
-                out[subtask] = SubtaskState(phase=phase, message=message)
+    async def poll(self, spec: AttemptSpec, handle: dict[str, Any]) -> SubtaskState:
+        directory = Path(handle["runDir"])
+        status = _read_json(directory / "status.json") or {}
+        pid_file = directory / "runner.pid"
+        alive = pid_file.exists() and pid_alive(int(pid_file.read_text()))
+        runner = status.get("phase")
+        if runner == "Error":
+            return SubtaskState("Failed", status.get("message", "the job runner failed"))
+        if runner is None:
+            return SubtaskState("Launching" if alive else "Lost",
+                                "starting workers" if alive else "the job runner died before it started")
+        phase = status.get("subtask", {}).get("phase", "Launching")
+        codes = status.get("subtask", {}).get("exitCodes", {})
+        if phase in ("Running", "Launching") and not alive and runner not in RUNNER_DONE:
+            phase = "Lost"
+        if runner == "Cancelled" and phase != "Succeeded":
+            phase = "Cancelled"
+        return SubtaskState(phase, status.get("message") or _message(codes), codes,
+                            status.get("subtask", {}).get("pids", []))
+
+    async def cancel(self, spec: AttemptSpec, handle: dict[str, Any]) -> None:
+        pid_file = Path(handle["runDir"]) / "runner.pid"
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+    async def adopt(self) -> list[tuple[AttemptSpec, dict[str, Any]]]:
+        found = []
+        for spec_path in sorted((self.state_dir / "runs").glob("*/attempt-*/*/spec.json")):
+            with contextlib.suppress(ValueError, OSError):
+                found.append((AttemptSpec.model_validate_json(spec_path.read_text()),
+                              {"runDir": str(spec_path.parent)}))
+        return found
+
+    async def logs(self, spec: AttemptSpec, handle: dict[str, Any],
+                   cursor: dict[str, Any]) -> tuple[list[LogLine], dict[str, Any]]:
+        directory = Path(handle["runDir"]) / f"site-{spec.site_index}"
+        out: list[LogLine] = []
+        cursor = dict(cursor)
+        for rank in spec.ranks:
+            path = directory / f"rank{rank}.log"
+            if not path.exists():
                 continue
-            phase = site["phase"]
-            if phase == "Running" and not runner_alive:
-                phase = "Lost"
-            if status and status.get("phase") == "Cancelled" and phase not in ("Succeeded",):
-                phase = "Cancelled"
-            out[subtask] = SubtaskState(phase=phase, exit_codes=site.get("exitCodes", {}), pids=site.get("pids", []),
-                                        message=_message(site))
-        return out
-
-    async def cancel(self, job: JobLaunch, handles: dict[str, dict[str, Any]]) -> None:
-        pid_file = attempt_dir(job) / "runner.pid"
-        if not pid_file.exists():
-            return
-        pid = int(pid_file.read_text())
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-
-    async def logs(self, handle: dict[str, Any], follow: bool = False) -> AsyncIterator[str]:
-        site_dir = Path(handle["runDir"]) / f"site-{handle['siteIndex']}"
-        offsets: dict[Path, int] = {}
-        while True:
-            for path in sorted(site_dir.glob("rank*.log")) if site_dir.exists() else []:
-                with path.open("rb") as fh:
-                    fh.seek(offsets.get(path, 0))
-                    data = fh.read()
-                end = data.rfind(b"\n") + 1
-                offsets[path] = offsets.get(path, 0) + end
-                for line in data[:end].decode(errors="replace").splitlines():
-                    yield f"[{path.stem}] {line}"
-            if not follow:
-                return
-            status = _read_json(Path(handle["runDir"]) / "status.json") or {}
-            if status.get("phase") in ("Finished", "Cancelled", "Error", "TimedOut"):
-                return
-            await asyncio.sleep(0.5)
+            offset = int(cursor.get(str(rank), 0))
+            with path.open("rb") as fh:
+                fh.seek(offset)
+                data = fh.read(MAX_LOG_BYTES)
+            end = data.rfind(b"\n") + 1
+            if end == 0 and len(data) == MAX_LOG_BYTES:  # one enormous line: ship it cut
+                end = len(data)
+            cursor[str(rank)] = offset + end
+            out += [LogLine(rank, line) for line in data[:end].decode(errors="replace").splitlines()]
+        return out, cursor
 
 
-def _message(site: dict[str, Any]) -> str:
-    codes = {r: c for r, c in site.get("exitCodes", {}).items() if c not in (None, 0)}
-    return f"workers exited: {codes}" if codes else ""
+def _message(codes: dict[str, Any]) -> str:
+    bad = {r: c for r, c in codes.items() if c not in (None, 0)}
+    return f"workers exited: {bad}" if bad else ""
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -125,13 +139,3 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
         return None
-
-
-def driver_for(name: str) -> Any:
-    if name == "local":
-        return LocalDriver()
-    if name == "kubernetes":
-        from layers.resource.drivers.kubernetes import KubernetesDriver
-
-        return KubernetesDriver()
-    raise DriverError(f"no driver {name!r}")

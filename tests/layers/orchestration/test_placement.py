@@ -76,10 +76,10 @@ def test_deadline_and_budget_are_met():
 
 @pytest.mark.parametrize(("req", "field", "text"), [
     (job(gpu_models=frozenset({"H100"}), regions=frozenset({"eu-west"}), gpus_min=200), "spec.gpus.min",
-     "only 80 H100 GPUs free in allowed regions [eu-west], 200 requested"),
+     "No placement has 200 H100 GPUs free in allowed regions [eu-west]; at most 80 are"),
     (job(gpu_models=frozenset({"B200"})), "spec.gpus.models", "no clusters offer GPU models [B200]"),
     (job(regions=frozenset({"ap-south"})), "spec.placement.regions", "in allowed regions [ap-south]"),
-    (job(sites=frozenset({"par"}), sites_min=2), "spec.sites.min", "only 1 sites"),
+    (job(sites=frozenset({"par"}), sites_min=2), "spec.sites.min", "spans 2 sites with free GPUs in allowed sites [par]; at most 1 does"),
     (job(deadline_seconds=3600), "spec.deadline", "deadline is 1 h"),
     (job(budget=Decimal("100")), "spec.budget", "budget is 100 USD"),
 ])
@@ -166,3 +166,20 @@ def test_bench_scheduler_command_writes_the_report(tmp_path):
     assert report["gap"]["instances"] == 1 and set(report["latency_ms"]) == {"p50", "p95", "p99"}
     assert json.loads((tmp_path / "scheduler.json").read_text())["command"].startswith("cpn bench scheduler")
     assert "heuristic gap vs exact" in (tmp_path / "scheduler.md").read_text()
+
+
+def test_a_model_that_fits_no_offered_gpu_is_refused_with_the_figures():
+    huge = job(model=ModelShape(70_000_000_000, 80, 8192, 4096))
+    with pytest.raises(Infeasible) as caught:
+        placement.plan(huge, OFFERS, LINKS, BALANCED, "heuristic")
+    assert caught.value.field == "spec.model"
+    assert "needs at least 371.3 GB per GPU" in caught.value.message
+    assert "has 80 GB" in caught.value.message
+
+
+def test_offers_too_small_for_the_model_are_left_out():
+    small_gpus = [*OFFERS, ClusterOffer(name="cheap-24g", site="par", region="eu-west", provider="p",
+                                        gpu_model="RTX4090", tflops=165.0, memory_gb=24, free_gpus=512,
+                                        price_per_gpu_hour=Decimal("0.10"))]
+    plan = placement.plan(job(), small_gpus, LINKS, Objective(cost=1.0, time=0.0), "heuristic")
+    assert "cheap-24g" not in {a.cluster for a in plan.assignments}

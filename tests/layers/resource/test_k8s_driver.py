@@ -1,5 +1,6 @@
 """The kubernetes driver through the real kubernetes client against the stub API server: manifests
-valid for Kubernetes 1.30, one launch per key, Job status to phases, cancel, pod logs."""
+valid for Kubernetes 1.30, one launch per (job, attempt, sub-task), re-adoption by a new driver,
+Job status to phases, cancel, pod logs by rank, the token only in a Secret, the advertised rendezvous."""
 
 from __future__ import annotations
 
@@ -13,51 +14,52 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from layers.resource.drivers.base import DriverError, JobLaunch, SubtaskLaunch
+from cpn.runtime.config import TrainConfig
+from cpn.runtime.contract import AttemptSpec, Endpoint, worker_env
+from cpn.runtime.siteenv import globalise
+from cpn.runtime.topology import Topology
+from layers.resource.drivers.base import DriverError, LogLine
 from layers.resource.drivers.kubernetes import (
     KubernetesDriver,
+    PodSettings,
+    Shape,
+    container_env,
     job_manifest,
+    launch_key,
     resource_name,
     secret_manifest,
     service_manifest,
     shape,
 )
-from layers.resource.drivers.local import driver_for
-from tests.kube_stub import KubeStub, Request
+from tests.kube_stub import KubeStub, Request, make_node
 
 NS = "train"
 TOKEN = "cpn_worker_s3cr3t"
-TOPOLOGY = {"sites": [{"name": "east", "ranks": 4, "leader": 0}, {"name": "west", "ranks": 8, "leader": 0}],
-            "links": [{"a": "east", "b": "west", "bandwidth_mbps": 1000.0, "rtt_ms": 40.0}]}
+RDZV = Endpoint(host="203.0.113.7", port=41234)  # what the first site's agent advertised
+TOPOLOGY = Topology(sites=[{"name": "east", "ranks": 4}, {"name": "west", "ranks": 8}],
+                    links=[{"a": "east", "b": "west", "bandwidth_mbps": 1000.0, "rtt_ms": 40.0}])
+SETTINGS = PodSettings(image="cpn:test")
 
 
-def spec(kubeconfig: str | None = None, gpus_per_node: int | None = 4, **kube: Any) -> dict[str, Any]:
-    pools = [{"name": "h100", "gpu": {"model": "H100", "memoryGB": 80, "tflops": 989},
-              "gpusPerNode": gpus_per_node, "nodes": 4, "pricePerGpuHour": "2.50"}] if gpus_per_node else []
-    ref = {"kubeconfigSecret": f"file:{kubeconfig}"} if kubeconfig else {}
-    return {"site": "west", "driver": "kubernetes", "kubernetes": {**ref, "namespace": NS, **kube},
-            "nodePools": pools}
-
-
-def launch_of(attempt: int = 1, token: str | None = TOKEN) -> JobLaunch:
-    return JobLaunch(job="llm", attempt=attempt, topology=TOPOLOGY, train={"model": "tiny", "tokens": 4096},
-                     master_port=29500, metrics_url="https://cpn.example/api/v1/jobs/llm/metrics",
-                     metrics_token=token, run_root=Path("/nonexistent"), elastic=False, image="cpn:test")
-
-
-def sub_of(cluster_spec: dict[str, Any], *, site: int = 1, ranks: int = 8, name: str = "llm-gpu-west",
-           attempt: int = 1) -> SubtaskLaunch:
-    return SubtaskLaunch(subtask=name, cluster=name.removeprefix("llm-"), site_index=site, ranks=ranks,
-                         key=f"llm/{name}/{attempt}", cluster_spec=cluster_spec)
+def spec_of(*, lead: bool = False, attempt: int = 1, token: str | None = TOKEN, image: str | None = "cpn:test",
+            rendezvous: Endpoint | None = RDZV) -> AttemptSpec:
+    site = {"subtask": "llm-gpu-east", "cluster": "gpu-east", "site_index": 0, "first_rank": 0, "workers": 4} if lead \
+        else {"subtask": "llm-gpu-west", "cluster": "gpu-west", "site_index": 1, "first_rank": 4, "workers": 8}
+    return AttemptSpec(job="llm", attempt=attempt, topology=TOPOLOGY, train=TrainConfig(model="tiny", tokens=16384),
+                       elastic=False, rendezvous=rendezvous, server="https://cpn.example", worker_token=token,
+                       image=image, **site)
 
 
 def job_controller(stub: KubeStub, job: dict[str, Any]) -> None:
-    """What the Job controller does on create: one Pending pod per completion index."""
-    name = job["metadata"]["name"]
+    """What the Job controller does on create: one Pending pod per completion index, owned by the Job."""
+    name, meta = job["metadata"]["name"], job["metadata"]
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": meta["uid"], "controller": True}
     for i in range(job["spec"]["completions"]):
+        index = {"batch.kubernetes.io/job-completion-index": str(i)}
         stub.add({"apiVersion": "v1", "kind": "Pod",
-                  "metadata": {"name": f"{name}-{i}-x7k2p", "namespace": job["metadata"]["namespace"],
-                               "labels": {"batch.kubernetes.io/job-name": name, "job-name": name}},
+                  "metadata": {"name": f"{name}-{i}-x7k2p", "namespace": meta["namespace"], "ownerReferences": [owner],
+                               "labels": {"batch.kubernetes.io/job-name": name, "job-name": name, **index},
+                               "annotations": index},
                   "spec": job["spec"]["template"]["spec"], "status": {"phase": "Pending"}})
 
 
@@ -66,10 +68,24 @@ def set_field(stub: KubeStub, gv: str, plural: str, name: str, field: str, value
         stub.store[(gv, NS, plural)][name][field] = value
 
 
+def terminated(code: int, phase: str) -> dict[str, Any]:
+    return {"phase": phase, "containerStatuses": [{"name": "trainer", "image": "cpn:test", "imageID": "",
+                                                   "ready": False, "restartCount": 0,
+                                                   "state": {"terminated": {"exitCode": code}}}]}
+
+
 @pytest.fixture
-def cluster(kube_stub: KubeStub, kubeconfig: Path) -> dict[str, Any]:
+def gpu_site(kube_stub: KubeStub) -> KubeStub:
+    """A cluster of 4-GPU nodes whose Job controller makes pods."""
+    kube_stub.add(*(make_node(f"gpu-{i}", gpu_product="NVIDIA-H100-80GB-HBM3", gpus=4) for i in range(3)),
+                  make_node("cpu-0"))
     kube_stub.on("create", "jobs", job_controller)
-    return spec(str(kubeconfig))
+    return kube_stub
+
+
+@pytest.fixture
+def driver(gpu_site: KubeStub, kubeconfig: Path) -> KubernetesDriver:
+    return KubernetesDriver(kubeconfig, namespace=NS)
 
 
 def env_of(job: dict[str, Any]) -> dict[str, Any]:
@@ -77,164 +93,293 @@ def env_of(job: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
+def counts(stub: KubeStub) -> list[int]:
+    return [len(stub.objects(p, NS, gv)) for p, gv in
+            (("jobs", "batch/v1"), ("services", "v1"), ("secrets", "v1"), ("pods", "v1"))]
+
+
 # --------------------------------------------------------------------------------- manifests
-@pytest.mark.parametrize("sub", [sub_of(spec("/k")), sub_of(spec("/k", None), ranks=3, name="x" * 80)])
-def test_manifests_are_valid_kubernetes(sub: SubtaskLaunch) -> None:
-    job = launch_of()
-    for obj in (job_manifest(job, sub, NS), service_manifest(job, sub, NS), secret_manifest(job, sub, NS)):
+@pytest.mark.parametrize(("spec", "pods"), [(spec_of(), Shape(2, 4, 4)), (spec_of(lead=True), Shape(4, 1, 0)),
+                                            (spec_of(token=None), Shape(1, 8, 8))])
+def test_manifests_are_valid_kubernetes(spec: AttemptSpec, pods: Shape) -> None:
+    for obj in (job_manifest(spec, NS, pods, PodSettings(image="cpn:test", queue="research")),
+                service_manifest(spec, NS), secret_manifest(spec, NS)):
         kubernetes_validate.validate(obj, "1.30", strict=True)
 
 
 def test_names_are_dns_labels_and_deterministic() -> None:
     long = "x" * 40 + "/" + "Y_" * 40 + "/12"
-    for key in (long, "llm/llm-gpu-west/1", "7b/7b-a/2"):
+    for key in (long, launch_key(spec_of()), "7b/7b-a/2"):
         name = resource_name(key)
         assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 52
         assert resource_name(key) == name
     assert resource_name("a/b-c/1") != resource_name("a-b/c/1")
+    assert launch_key(spec_of()) != launch_key(spec_of(attempt=2))
 
 
 def test_shape_fits_ranks_to_nodes() -> None:
-    assert shape(sub_of(spec("/k", 4), ranks=8)) == (2, 4)
-    assert shape(sub_of(spec("/k", 8), ranks=12)) == (2, 6)  # 12 ranks cannot fill 8-GPU nodes evenly
-    assert shape(sub_of(spec("/k", 8), ranks=2)) == (1, 2)
-    assert shape(sub_of(spec("/k", None), ranks=3)) == (3, 1)  # GPUs per node unknown: a pod per rank
+    assert shape(8, 4) == Shape(2, 4, 4)
+    assert shape(12, 8) == Shape(2, 6, 6)  # 12 ranks cannot fill 8-GPU nodes evenly
+    assert shape(2, 8) == Shape(1, 2, 2)
+    assert shape(3, 0) == Shape(3, 1, 0)  # no GPUs: a pod per rank, none requested
+    assert shape(4, 0, cpu_ranks_per_pod=2) == Shape(2, 2, 0)
 
 
-def test_job_manifest_runs_torchrun_with_the_topology() -> None:
-    job = job_manifest(launch_of(), sub_of(spec("/k", 4, queue="research")), NS)
-    name = resource_name("llm/llm-gpu-west/1")
+def test_job_manifest_runs_torchrun_per_pod_on_the_gpus() -> None:
+    spec = spec_of()
+    name = resource_name(launch_key(spec))
+    job = job_manifest(spec, NS, Shape(2, 4, 4), PodSettings(image="cpn:test", queue="research"))
     pod = job["spec"]["template"]
-    command = pod["spec"]["containers"][0]["command"]
-    assert command[:9] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--node-rank",
-                           "$(JOB_COMPLETION_INDEX)", "--master-addr", f"{name}-0.{name}.{NS}.svc"]
-    assert command[-2:] == ["-m", "cpn.runtime.train"]
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--node-rank",
+                                    "$(JOB_COMPLETION_INDEX)", "--master-addr", f"{name}-0.{name}.{NS}.svc",
+                                    "--master-port", "29400", "--tee", "3", "-m", "cpn.runtime.train"]
     assert job["spec"] | {"template": None} == {"completionMode": "Indexed", "completions": 2, "parallelism": 2,
                                                 "backoffLimit": 0, "ttlSecondsAfterFinished": 86400,
                                                 "template": None}
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "4"}}
+    assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["spec"]["automountServiceAccountToken"] is False
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research"
     assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == name
     assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == name
+    assert [p["name"] for p in container["ports"]] == ["rdzv"]  # only the lead serves the job's store
+    contract = next(v for v in pod["spec"]["volumes"] if v["name"] == "contract")
+    assert contract["secret"] == {"secretName": name, "defaultMode": 0o400,
+                                  "items": [{"key": "spec.json", "path": "spec.json"}]}
+    assert {"name": "contract", "mountPath": "/var/run/cpn", "readOnly": True} in container["volumeMounts"]
+
+
+def test_a_cpu_cluster_requests_no_gpus_and_sets_no_nccl() -> None:
+    job = job_manifest(spec_of(), NS, Shape(8, 1, 0), PodSettings(image="cpn:test", socket_ifname="net1"))
+    pod = job["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1"}}
+    assert "tolerations" not in pod and "kueue.x-k8s.io/queue-name" not in job["metadata"]["labels"]
     env = env_of(job)
-    assert env["CPN_RANK_OFFSET"] == "4" and json.loads(env["CPN_TOPOLOGY"]) == TOPOLOGY
+    assert env["GLOO_SOCKET_IFNAME"] == "net1"
+    assert not any(k.startswith("NCCL_") for k in env)
+
+
+def test_the_pod_network_is_named_for_nccl_and_gloo() -> None:
+    settings = PodSettings(image="cpn:test", socket_ifname="eth1", nccl_env={"NCCL_IB_DISABLE": "1"})
+    env = {e["name"]: e.get("value") for e in container_env(spec_of(), settings, gpus=4)}
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_DEBUG"] == "WARN"
+    default = {e["name"]: e.get("value") for e in container_env(spec_of(), SETTINGS, gpus=4)}
+    assert default["NCCL_SOCKET_IFNAME"] == default["GLOO_SOCKET_IFNAME"] == "eth0"
+
+
+def test_the_environment_is_the_workers_with_the_advertised_rendezvous() -> None:
+    spec = spec_of()
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container_env(spec, SETTINGS, gpus=4)}
+    shared = worker_env(spec, spec.first_rank, run_dir="/var/lib/cpn/run", checkpoint_dir="/var/lib/cpn/checkpoints",
+                        base={})
+    for name in ("CPN_TOPOLOGY", "CPN_TRAIN_CONFIG", "CPN_SITE_INDEX", "CPN_JOB", "CPN_ATTEMPT", "CPN_RUN_DIR",
+                 "CPN_CHECKPOINT_DIR", "OMP_NUM_THREADS"):
+        assert env[name] == shared[name], name
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "PYTHONPATH"):
+        assert name not in env, name  # torchrun sets them per process; the image has its own path
+    assert (env["CPN_RANK_OFFSET"], env["CPN_MASTER_ADDR"], env["CPN_MASTER_PORT"]) == ("4", "203.0.113.7", "41234")
+    assert ".svc" not in json.dumps({k: v for k, v in env.items()})
+    assert env["CPN_METRICS_URL"] == "https://cpn.example/api/v1/jobs/llm/metrics"
+    assert env["CPN_METRICS_TOKEN"] == {"secretKeyRef": {"name": resource_name(launch_key(spec)),
+                                                         "key": "worker-token"}}
     assert list(env)[0] == "JOB_COMPLETION_INDEX"  # defined before the command expands it
 
 
+def test_torchrun_ranks_become_job_ranks_at_the_advertised_store() -> None:
+    """Pod 1, local process 2 of the second site: what torchrun exports, then what the runtime sees."""
+    env = {e["name"]: e["value"] for e in container_env(spec_of(), SETTINGS, gpus=4) if "value" in e}
+    env |= {"RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "MASTER_ADDR": "llm-0.llm.train.svc",
+            "MASTER_PORT": "29400", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert globalise(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("10", "12", "2")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("203.0.113.7", "41234")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the job's store, not torchrun
+
+
+def test_the_torchrun_port_never_collides_with_the_jobs() -> None:
+    spec = spec_of(lead=True, rendezvous=Endpoint(host="203.0.113.7", port=29400))
+    ports = {p["name"]: p["port"] for p in service_manifest(spec, NS)["spec"]["ports"]}
+    assert ports == {"rdzv": 29401, "master": 29400}
+
+
 # ------------------------------------------------------------------------------- launch
-async def test_launch_creates_service_secret_and_job(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    site0 = sub_of(cluster, site=0, ranks=4, name="llm-gpu-east")
-    site1 = sub_of(cluster)
-    handles = await KubernetesDriver().launch(launch_of(), [site1, site0])
-    name0, name1 = resource_name(site0.key), resource_name(site1.key)
-    assert handles["llm-gpu-west"] | {"kubeconfig": None} == {
-        "key": site1.key, "cluster": "gpu-west", "namespace": NS, "name": name1, "siteIndex": 1,
-        "kubeconfig": None, "context": None, "server": None}
-    assert sorted(s["metadata"]["name"] for s in kube_stub.objects("services", NS)) == sorted([name0, name1])
-    job = kube_stub.get("jobs", name1, NS, gv="batch/v1")
-    service, secret = kube_stub.get("services", name1, NS), kube_stub.get("secrets", name1, NS)
+async def test_launch_creates_secret_service_and_job(gpu_site: KubeStub, driver: KubernetesDriver) -> None:
+    spec = spec_of()
+    handle = await driver.launch(spec)
+    name = resource_name(launch_key(spec))
+    assert handle == {"namespace": NS, "name": name, "pods": 2, "ranksPerPod": 4}
+    job = gpu_site.get("jobs", name, NS, gv="batch/v1")
+    service, secret = gpu_site.get("services", name, NS), gpu_site.get("secrets", name, NS)
     assert service["spec"]["clusterIP"] == "None"
-    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name1}
-    assert TOKEN not in json.dumps(job) + json.dumps(handles)
-    assert base64.b64decode(secret["data"]["metrics-token"]).decode() == TOKEN
-    env = env_of(job)
-    assert env["CPN_METRICS_TOKEN"] == {"secretKeyRef": {"name": name1, "key": "metrics-token"}}
-    assert env["CPN_RANK_OFFSET"] == "4" and env["CPN_TRAIN_CONFIG"] == json.dumps(launch_of().train)
-    assert env["MASTER_ADDR"] == f"{name0}-0.{name0}.{NS}.svc" == env["CPN_MASTER_ADDR"]
-    assert env["CPN_METRICS_URL"].endswith("/jobs/llm/metrics")
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}
+    assert [p["name"] for p in service["spec"]["ports"]] == ["rdzv"]
+    assert TOKEN not in json.dumps(job) + json.dumps(handle) + json.dumps(service)
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert data["worker-token"] == TOKEN
+    assert AttemptSpec.model_validate_json(data["spec.json"]) == spec  # the whole contract, token included
     assert job["spec"]["template"]["spec"]["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": "4"}}
-    assert job["metadata"]["labels"] | {"kueue.x-k8s.io/queue-name": "cpn"} == {
-        "app.kubernetes.io/managed-by": "cpn", "cpn.io/job": "llm", "cpn.io/subtask": "llm-gpu-west",
-        "cpn.io/attempt": "1", "kueue.x-k8s.io/queue-name": "cpn"}
-    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name1, "uid": job["metadata"]["uid"],
+    expected = {"app.kubernetes.io/managed-by": "cpn", "cpn.io/job": "llm", "cpn.io/subtask": "llm-gpu-west",
+                "cpn.io/attempt": "1", "cpn.io/cluster": "gpu-west"}
+    assert job["metadata"]["labels"] == expected == service["metadata"]["labels"] == secret["metadata"]["labels"]
+    assert expected.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"],
              "blockOwnerDeletion": False}
     assert service["metadata"]["ownerReferences"] == [owner] == secret["metadata"]["ownerReferences"]
-    assert len([p for p in kube_stub.pods if p["metadata"]["name"].startswith(name1)]) == 2
-    patches = [r for r in kube_stub.requests if r.method == "PATCH"]
+    assert counts(gpu_site) == [1, 1, 1, 2]
+    patches = [r for r in gpu_site.requests if r.method == "PATCH"]
     assert {r.headers["content-type"] for r in patches} == {"application/strategic-merge-patch+json"}
 
 
-async def test_second_launch_of_a_key_creates_nothing(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    driver, sub = KubernetesDriver(), sub_of(cluster)
-    first = await driver.launch(launch_of(), [sub])
-    counts = [len(kube_stub.objects(p, NS, gv)) for p, gv in
-              (("jobs", "batch/v1"), ("services", "v1"), ("secrets", "v1"), ("pods", "v1"))]
-    assert counts == [1, 1, 1, 2]
-    assert await driver.launch(launch_of(), [sub]) == first
-    assert [len(kube_stub.objects(p, NS, gv)) for p, gv in
-            (("jobs", "batch/v1"), ("services", "v1"), ("secrets", "v1"), ("pods", "v1"))] == counts
-    await driver.launch(launch_of(attempt=2), [sub_of(cluster, attempt=2)])  # a new attempt is a new launch
-    assert len(kube_stub.objects("jobs", NS, "batch/v1")) == 2
+async def test_the_lead_serves_the_advertised_rendezvous(gpu_site: KubeStub, driver: KubernetesDriver) -> None:
+    lead, other = spec_of(lead=True), spec_of()
+    await driver.launch(lead)
+    await driver.launch(other)
+    jobs = {j["metadata"]["labels"]["cpn.io/subtask"]: j for j in gpu_site.objects("jobs", NS, "batch/v1")}
+    for job in jobs.values():
+        env = env_of(job)
+        assert (env["CPN_MASTER_ADDR"], env["CPN_MASTER_PORT"]) == ("203.0.113.7", "41234")
+    container = jobs["llm-gpu-east"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "master", "containerPort": 41234} in container["ports"]
+    service = gpu_site.get("services", resource_name(launch_key(lead)), NS)
+    assert {"name": "master", "port": 41234, "targetPort": 41234} in service["spec"]["ports"]
+    assert env_of(jobs["llm-gpu-east"])["CPN_RANK_OFFSET"] == "0"
 
 
-async def test_a_foreign_job_with_the_name_is_refused(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    sub = sub_of(cluster)
-    kube_stub.add({"apiVersion": "batch/v1", "kind": "Job",
-                   "metadata": {"name": resource_name(sub.key), "namespace": NS},
-                   "spec": {"template": {"spec": {"containers": [{"name": "x", "image": "x"}]}}}})
+async def test_launching_twice_makes_one_job(gpu_site: KubeStub, driver: KubernetesDriver,
+                                             kubeconfig: Path) -> None:
+    first = await driver.launch(spec_of())
+    assert counts(gpu_site) == [1, 1, 1, 2]
+    assert await driver.launch(spec_of()) == first
+    assert await KubernetesDriver(kubeconfig, namespace=NS).launch(spec_of()) == first  # after a restart too
+    assert counts(gpu_site) == [1, 1, 1, 2]
+    assert len([r for r in gpu_site.requests if r.method == "POST" and r.path.endswith("/jobs")]) == 1
+    await driver.launch(spec_of(attempt=2))  # a new attempt is a new launch
+    assert len(gpu_site.objects("jobs", NS, "batch/v1")) == 2
+
+
+async def test_a_foreign_job_with_the_name_is_refused(gpu_site: KubeStub, driver: KubernetesDriver) -> None:
+    gpu_site.add({"apiVersion": "batch/v1", "kind": "Job",
+                  "metadata": {"name": resource_name(launch_key(spec_of())), "namespace": NS},
+                  "spec": {"template": {"spec": {"containers": [{"name": "x", "image": "x"}]}}}})
     with pytest.raises(DriverError, match="was not launched for"):
-        await KubernetesDriver().launch(launch_of(), [sub])
+        await driver.launch(spec_of())
 
 
-async def test_without_a_token_no_secret(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    await KubernetesDriver().launch(launch_of(token=None), [sub_of(cluster)])
-    assert kube_stub.objects("secrets", NS) == []
-    assert "CPN_METRICS_TOKEN" not in env_of(kube_stub.objects("jobs", NS, "batch/v1")[0])
+async def test_without_a_token_the_secret_holds_the_contract_only(gpu_site: KubeStub,
+                                                                  driver: KubernetesDriver) -> None:
+    await driver.launch(spec_of(token=None))
+    (secret,) = gpu_site.objects("secrets", NS)
+    assert list(secret["data"]) == ["spec.json"]
+    assert "CPN_METRICS_TOKEN" not in env_of(gpu_site.objects("jobs", NS, "batch/v1")[0])
+
+
+async def test_a_launch_that_cannot_run_creates_nothing(gpu_site: KubeStub, kubeconfig: Path) -> None:
+    with pytest.raises(DriverError, match="no container image") as err:
+        await KubernetesDriver(kubeconfig, namespace=NS).launch(spec_of(image=None))
+    assert err.value.field == "image"
+    with pytest.raises(DriverError, match="no rendezvous"):
+        await KubernetesDriver(kubeconfig, namespace=NS).launch(spec_of(rendezvous=None))
+    assert counts(gpu_site) == [0, 0, 0, 0]
+    await KubernetesDriver(kubeconfig, namespace=NS, image="registry.example/cpn:1").launch(spec_of(image=None))
+    job = gpu_site.objects("jobs", NS, "batch/v1")[0]
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/cpn:1"
+
+
+async def test_gpus_per_node_from_the_nodes_or_as_given(kube_stub: KubeStub, kubeconfig: Path) -> None:
+    kube_stub.add(make_node("cpu-0"), make_node("cpu-1"))
+    kube_stub.on("create", "jobs", job_controller)
+    cpu = await KubernetesDriver(kubeconfig, namespace=NS).launch(spec_of(lead=True))
+    assert (cpu["pods"], cpu["ranksPerPod"]) == (4, 1)
+    job = kube_stub.get("jobs", cpu["name"], NS, gv="batch/v1")
+    assert "nvidia.com/gpu" not in json.dumps(job)
+    given = await KubernetesDriver(kubeconfig, namespace=NS, gpus_per_node=8).launch(spec_of())
+    assert (given["pods"], given["ranksPerPod"]) == (1, 8)
+
+
+# -------------------------------------------------------------------------------- adopt
+async def test_a_restarted_agent_adopts_its_jobs(gpu_site: KubeStub, driver: KubernetesDriver,
+                                                 kubeconfig: Path) -> None:
+    lead, other = spec_of(lead=True), spec_of()
+    handles = {lead.subtask: await driver.launch(lead), other.subtask: await driver.launch(other)}
+    gpu_site.add({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "someone-else", "namespace": NS},
+                  "spec": {"template": {"spec": {"containers": [{"name": "x", "image": "x"}]}}}})
+    restarted = KubernetesDriver(kubeconfig, namespace=NS)
+    found = await restarted.adopt()
+    assert sorted((s.subtask, h == handles[s.subtask]) for s, h in found) == [("llm-gpu-east", True),
+                                                                             ("llm-gpu-west", True)]
+    assert {s.subtask: s for s, _ in found} == {lead.subtask: lead, other.subtask: other}
+    assert await KubernetesDriver(kubeconfig, namespace="elsewhere").adopt() == []
+    assert (await restarted.poll(other, handles[other.subtask])).phase == "Launching"
+
+
+async def test_a_job_without_its_contract_is_not_adopted(gpu_site: KubeStub, driver: KubernetesDriver) -> None:
+    handle = await driver.launch(spec_of())
+    with gpu_site.lock:
+        del gpu_site.store[("v1", NS, "secrets")][handle["name"]]
+    assert await driver.adopt() == []
 
 
 # --------------------------------------------------------------------------------- poll
-async def test_poll_maps_job_status_to_phases(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    driver, sub, job = KubernetesDriver(), sub_of(cluster), launch_of()
-    handles = await driver.launch(job, [sub])
-    name = resource_name(sub.key)
-    pods = sorted(p["metadata"]["name"] for p in kube_stub.pods)
+async def test_poll_maps_job_status_to_phases(gpu_site: KubeStub, driver: KubernetesDriver) -> None:
+    spec = spec_of()
+    handle = await driver.launch(spec)
+    pods = sorted(p["metadata"]["name"] for p in gpu_site.pods)
 
-    state = (await driver.poll(job, handles))["llm-gpu-west"]
+    state = await driver.poll(spec, handle)
     assert state.phase == "Launching" and f"{pods[0]} (Pending)" in state.message
 
-    set_field(kube_stub, "batch/v1", "jobs", name, "status", {"active": 2})
+    set_field(gpu_site, "batch/v1", "jobs", handle["name"], "status", {"active": 2})
     for pod in pods:
-        set_field(kube_stub, "v1", "pods", pod, "status", {"phase": "Running"})
-    state = (await driver.poll(job, handles))["llm-gpu-west"]
+        set_field(gpu_site, "v1", "pods", pod, "status", {"phase": "Running"})
+    state = await driver.poll(spec, handle)
     assert state.phase == "Running" and state.message.startswith("2/2 pods running") and pods[1] in state.message
 
     done = {"type": "Complete", "status": "True", "reason": "CompletionsReached", "message": "Reached expected"}
-    set_field(kube_stub, "batch/v1", "jobs", name, "status", {"succeeded": 2, "conditions": [done]})
+    set_field(gpu_site, "batch/v1", "jobs", handle["name"], "status", {"succeeded": 2, "conditions": [done]})
     for pod in pods:
-        set_field(kube_stub, "v1", "pods", pod, "status", {"phase": "Succeeded", "containerStatuses": [
-            {"name": "trainer", "image": "cpn:test", "imageID": "", "ready": False, "restartCount": 0,
-             "state": {"terminated": {"exitCode": 0}}}]})
-    state = (await driver.poll(job, handles))["llm-gpu-west"]
-    assert state.phase == "Succeeded" and state.exit_codes == dict.fromkeys(pods, 0)
+        set_field(gpu_site, "v1", "pods", pod, "status", terminated(0, "Succeeded"))
+    state = await driver.poll(spec, handle)
+    assert state.phase == "Succeeded" and state.exit_codes == {str(r): 0 for r in range(4, 12)}
 
     failed = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
               "message": "Job has reached the specified backoff limit"}
-    set_field(kube_stub, "batch/v1", "jobs", name, "status", {"failed": 1, "conditions": [failed]})
-    state = (await driver.poll(job, handles))["llm-gpu-west"]
+    set_field(gpu_site, "batch/v1", "jobs", handle["name"], "status", {"failed": 1, "conditions": [failed]})
+    state = await driver.poll(spec, handle)
     assert state.phase == "Failed" and state.message.startswith("BackoffLimitExceeded")
 
 
-async def test_a_failed_pod_fails_the_subtask_early(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    driver, job = KubernetesDriver(), launch_of()
-    handles = await driver.launch(job, [sub_of(cluster)])
-    pod = kube_stub.pods[0]["metadata"]["name"]
-    set_field(kube_stub, "v1", "pods", pod, "status", {"phase": "Failed", "containerStatuses": [
-        {"name": "trainer", "image": "cpn:test", "imageID": "", "ready": False, "restartCount": 0,
-         "state": {"terminated": {"exitCode": 137}}}]})
-    state = (await driver.poll(job, handles))["llm-gpu-west"]
-    assert state.phase == "Failed" and state.exit_codes == {pod: 137}
+async def test_a_failed_pod_fails_the_subtask_with_its_exit_code(gpu_site: KubeStub,
+                                                                 driver: KubernetesDriver) -> None:
+    spec = spec_of()
+    handle = await driver.launch(spec)
+    second = next(p["metadata"]["name"] for p in gpu_site.pods if p["metadata"]["name"].endswith("-1-x7k2p"))
+    set_field(gpu_site, "v1", "pods", second, "status", terminated(137, "Failed"))
+    state = await driver.poll(spec, handle)
+    assert state.phase == "Failed" and state.exit_codes == {str(r): 137 for r in range(8, 12)}  # pod 1: ranks 8..11
 
 
 # ------------------------------------------------------------------------------- cancel
-async def test_cancel_deletes_job_service_and_secret(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    driver, job = KubernetesDriver(), launch_of()
-    handles = await driver.launch(job, [sub_of(cluster)])
-    await driver.cancel(job, handles)
-    assert kube_stub.objects("jobs", NS, "batch/v1") == []
-    assert kube_stub.objects("services", NS) == kube_stub.objects("secrets", NS) == []
-    delete = next(r for r in kube_stub.requests if r.method == "DELETE" and "/jobs/" in r.path)
+async def test_cancel_deletes_the_job_and_its_pods(gpu_site: KubeStub, driver: KubernetesDriver,
+                                                   kubeconfig: Path) -> None:
+    spec = spec_of()
+    handle = await driver.launch(spec)
+    await driver.cancel(spec, handle)
+    assert counts(gpu_site) == [0, 0, 0, 0]
+    delete = next(r for r in gpu_site.requests if r.method == "DELETE" and "/jobs/" in r.path)
     assert delete.query["propagationPolicy"] == "Background"
-    await driver.cancel(job, handles)  # again: nothing left, no error
-    assert (await driver.poll(job, handles))["llm-gpu-west"].phase == "Lost"
+    assert (await driver.poll(spec, handle)).phase == "Cancelled"
+    await driver.cancel(spec, handle)  # again: nothing left, no error
+    assert (await KubernetesDriver(kubeconfig, namespace=NS).poll(spec, handle)).phase == "Lost"
+
+
+async def test_cancel_after_success_stays_succeeded(gpu_site: KubeStub, driver: KubernetesDriver) -> None:
+    spec = spec_of()
+    handle = await driver.launch(spec)
+    set_field(gpu_site, "batch/v1", "jobs", handle["name"], "status", {"succeeded": 2})
+    driver._cancelled.add(handle["name"])  # cancel sent, the Job not deleted yet
+    assert (await driver.poll(spec, handle)).phase == "Succeeded"
 
 
 # --------------------------------------------------------------------------------- logs
@@ -250,82 +395,50 @@ class PodLogs:
 
     def serve(self, stub: KubeStub, req: Request) -> tuple[int, Any]:
         assert req.match is not None and req.query.get("container") == "trainer"
+        if req.match["pod"] not in self.lines:
+            return 400, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 400,
+                         "reason": "BadRequest", "message": "container \"trainer\" is waiting to start"}
         since = req.query.get("sinceSeconds")
         cutoff = datetime.now(UTC) - timedelta(seconds=int(since)) if since else datetime.min.replace(tzinfo=UTC)
         stamp = req.query.get("timestamps") == "true"
         out = [f"{at.strftime('%Y-%m-%dT%H:%M:%S.%f')}Z {line}" if stamp else line
-               for at, line in self.lines.get(req.match["pod"], []) if at >= cutoff]
-        return 200, "".join(f"{line}\n" for line in out)
+               for at, line in self.lines[req.match["pod"]] if at >= cutoff]
+        return 200, "".join(f"{line}\n" for line in out)[: int(req.query.get("limitBytes") or 10**9)]
 
 
-async def test_logs_read_every_pod(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    logs = PodLogs(kube_stub)
-    driver, job = KubernetesDriver(), launch_of()
-    handle = (await driver.launch(job, [sub_of(cluster)]))["llm-gpu-west"]
-    pods = sorted(p["metadata"]["name"] for p in kube_stub.pods)
-    logs.write(pods[0], "step 1 loss 4.2", "step 2 loss 3.9")
-    logs.write(pods[1], "step 1 loss 4.3")
-    lines = [line async for line in driver.logs(handle)]
-    assert lines == [f"[{pods[0]}] step 1 loss 4.2", f"[{pods[0]}] step 2 loss 3.9", f"[{pods[1]}] step 1 loss 4.3"]
+async def test_logs_by_rank_since_the_cursor(gpu_site: KubeStub, driver: KubernetesDriver) -> None:
+    logs = PodLogs(gpu_site)
+    spec = spec_of()
+    handle = await driver.launch(spec)
+    pod0, pod1 = sorted(p["metadata"]["name"] for p in gpu_site.pods)
+    logs.write(pod0, "[rank0]:step 1 loss 4.2", "[rank3]: step 1 loss 4.3", "torchrun: starting 4 workers")
+    lines, cursor = await driver.logs(spec, handle, {})
+    assert lines == [LogLine(4, "step 1 loss 4.2"), LogLine(7, "step 1 loss 4.3"),
+                     LogLine(4, "torchrun: starting 4 workers")]  # torchrun's own lines: the pod's first rank
+    assert json.loads(json.dumps(cursor)) == cursor  # the agent keeps it as JSON
+
+    logs.write(pod0, "[rank0]:step 2", "[rank0]:step 2")  # the same line twice is still two lines
+    logs.write(pod1, "[rank5]:step 2", "torchrun on pod 1")
+    lines, cursor = await driver.logs(spec, handle, cursor)
+    assert lines == [LogLine(4, "step 2"), LogLine(4, "step 2"), LogLine(9, "step 2"), LogLine(8, "torchrun on pod 1")]
+    assert (await driver.logs(spec, handle, cursor))[0] == []
 
 
-async def test_logs_follow_until_the_job_finishes(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    logs = PodLogs(kube_stub)
-    driver, job = KubernetesDriver(log_interval=0.01), launch_of()
-    handle = (await driver.launch(job, [sub_of(cluster)]))["llm-gpu-west"]
-    pod = sorted(p["metadata"]["name"] for p in kube_stub.pods)[0]
-    logs.write(pod, "a", "a")  # the same line twice within one timestamp is still two lines
-    seen = []
-    async for line in driver.logs(handle, follow=True):
-        seen.append(line.split("] ", 1)[1])
-        if len(seen) == 2:
-            logs.write(pod, "b", "c")
-        if len(seen) == 4:
-            set_field(kube_stub, "batch/v1", "jobs", handle["name"], "status",
-                      {"conditions": [{"type": "Complete", "status": "True"}]})
-            logs.write(pod, "d")
-    assert seen == ["a", "a", "b", "c", "d"]
-
-
-# ------------------------------------------------------------------------- where the cluster is
-@pytest.mark.parametrize("ref", ["vault:kv/clusters/west", "secret://ns/kubeconfig", "/no/such/kubeconfig"])
-async def test_a_bad_kubeconfig_reference_names_the_field(ref: str) -> None:
-    sub = sub_of({"kubernetes": {"kubeconfigSecret": ref, "namespace": NS}})
-    with pytest.raises(DriverError, match=r"spec\.kubernetes\.kubeconfigSecret") as err:
-        await KubernetesDriver().launch(launch_of(), [sub])
-    assert err.value.field == "spec.kubernetes.kubeconfigSecret"
-
-
-async def test_a_broken_kubeconfig_names_the_field(tmp_path: Path) -> None:
-    (tmp_path / "kc").write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
-    with pytest.raises(DriverError, match=r"spec\.kubernetes\.kubeconfigSecret"):
-        await KubernetesDriver().launch(launch_of(), [sub_of(spec(str(tmp_path / "kc")))])
-
-
-async def test_env_overrides_the_kubeconfig(kube_stub: KubeStub, kubeconfig: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CPN_KUBECONFIG_GPU_WEST", str(kubeconfig))
-    handles = await KubernetesDriver().launch(launch_of(), [sub_of(spec("/no/such/file"))])
-    assert handles["llm-gpu-west"]["kubeconfig"] == str(kubeconfig)
-    assert len(kube_stub.objects("jobs", NS, "batch/v1")) == 1
-
-
-async def test_server_alone_talks_without_auth() -> None:
-    with KubeStub(token=None) as stub:
-        handles = await KubernetesDriver().launch(launch_of(), [sub_of(spec(server=stub.url))])
-        assert handles["llm-gpu-west"]["server"] == stub.url
-        assert len(stub.objects("jobs", NS, "batch/v1")) == 1
-
-
-async def test_api_errors_become_driver_errors(kube_stub: KubeStub, cluster: dict[str, Any]) -> None:
-    kube_stub.token = "rotated"
+# ------------------------------------------------------------------------------- errors
+async def test_api_errors_become_driver_errors(gpu_site: KubeStub, kubeconfig: Path, tmp_path: Path) -> None:
+    gpu_site.token = "rotated"
     with pytest.raises(DriverError, match="HTTP 401"):
-        await KubernetesDriver().launch(launch_of(), [sub_of(cluster)])
+        await KubernetesDriver(kubeconfig, namespace=NS).launch(spec_of())
+    down = KubeStub(token="t")
+    with down:
+        path = down.write_kubeconfig(tmp_path / "down")
     with pytest.raises(DriverError, match="unreachable"):
-        await KubernetesDriver().launch(launch_of(), [sub_of(spec(server="http://127.0.0.1:9"))])
-    with pytest.raises(DriverError, match="spec.kubernetes"):
-        await KubernetesDriver().launch(launch_of(), [sub_of({"kubernetes": {"namespace": NS}})])
+        await KubernetesDriver(path, namespace=NS).poll(spec_of(), {"name": "x", "namespace": NS})
 
 
-def test_driver_for_kubernetes() -> None:
-    assert driver_for("kubernetes").name == "kubernetes"
+async def test_a_broken_kubeconfig_names_the_option(tmp_path: Path) -> None:
+    (tmp_path / "kc").write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
+    for path in (tmp_path / "kc", tmp_path / "missing"):
+        with pytest.raises(DriverError, match=str(path)) as err:
+            await KubernetesDriver(path, namespace=NS).adopt()
+        assert err.value.field == "kubeconfig"

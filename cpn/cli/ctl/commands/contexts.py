@@ -18,9 +18,10 @@ def config_group() -> None:
 @click.argument("name")
 @click.option("--server", required=True, help="API server URL, e.g. http://127.0.0.1:8080")
 @click.option("--token", default=None, help="Bearer token from `cpn token create`.")
-@click.option("--use/--no-use", default=True, show_default=True, help="Also make it the current context.")
+@click.option("--use", is_flag=True, help="Also make it the current context (as `cpnctl config use-context`).")
 def set_context(name: str, server: str, token: str | None, use: bool) -> None:
-    """Create or update context NAME."""
+    """Create or update context NAME. The current context changes only with --use (or when there is
+    none yet); `cpnctl config use-context NAME` switches later."""
     if not server.startswith(("http://", "https://")):
         raise click.BadParameter("must start with http:// or https://", param_hint="--server")
     cfg = cfgmod.load()
@@ -30,10 +31,16 @@ def set_context(name: str, server: str, token: str | None, use: bool) -> None:
     else:
         entry.server = server
         entry.token = token if token is not None else entry.token
-    if use or cfg.current_context is None:
+    previous = cfg.current_context
+    if use or previous is None:
         cfg.current_context = name
     cfgmod.save(cfg)
-    click.echo(f'Context "{name}" set.')
+    click.echo(f'Context "{name}" {"created" if entry is None else "modified"} ({server}).')
+    if cfg.current_context != previous:
+        click.echo(f'Switched to context "{name}"' + (" (there was no current context)." if previous is None
+                                                       and not use else "."))
+    elif previous != name:
+        click.echo(f'Current context is still "{previous}"; switch with: cpnctl config use-context {name}')
 
 
 @config_group.command("use-context")

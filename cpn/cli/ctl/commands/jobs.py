@@ -8,6 +8,7 @@ from cpn.cli.ctl import output
 from cpn.cli.ctl.commands.resources import OUTPUT
 from cpn.cli.ctl.context import Ctx, pass_ctx
 from cpn.cli.ctl.main import cli
+from cpn.core.phases import JOB_TERMINAL
 
 
 @cli.command()
@@ -28,7 +29,11 @@ def accept(obj: Ctx, job: str, quote: str, fmt: str) -> None:
                f"quoted {price.get('total')} {price.get('currency')}")
 
 
-TERMINAL = ("Succeeded", "Failed", "Cancelled")
+TERMINAL = JOB_TERMINAL
+WAITING_FOR_USER = {  # phases that never move on by themselves: waiting would wait forever
+    "Quoted": "{job} is Quoted and waits for you: accept a quote first: cpnctl accept {job} --quote balanced "
+              "(see the options with `cpnctl get quotes {job}`)",
+}
 
 
 @cli.command()
@@ -44,10 +49,14 @@ def cancel(obj: Ctx, job: str) -> None:
 @click.argument("job")
 @click.option("--site", default=None, help="Only this site's (or cluster's) workers.")
 @click.option("-f", "--follow", is_flag=True, help="Stream new lines until the job ends.")
+@click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank.")
+@click.option("--attempt", type=click.IntRange(min=1), default=None, help="An earlier attempt [the current one].")
+@click.option("--tail", type=click.IntRange(min=0), default=None, help="Only the last N lines.")
 @pass_ctx
-def logs(obj: Ctx, job: str, site: str | None, follow: bool) -> None:
-    """Print the workers' logs of JOB."""
-    params = {"site": site, "follow": "1" if follow else None}
+def logs(obj: Ctx, job: str, site: str | None, follow: bool, rank: int | None, attempt: int | None,
+         tail: int | None) -> None:
+    """Print every rank's output of JOB, as the site agents shipped it (-f: stream until the job ends)."""
+    params = {"site": site, "follow": "1" if follow else None, "rank": rank, "attempt": attempt, "tail": tail}
     for line in obj.client.stream_lines(f"/api/v1/jobs/{job}/logs",
                                         params={k: v for k, v in params.items() if v is not None}):
         click.echo(line)
@@ -63,6 +72,9 @@ def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
     import time
 
     start = time.monotonic()
+    phase = obj.client.get(f"/api/v1/jobs/{job}")["status"].get("phase")
+    if phase in WAITING_FOR_USER:
+        raise click.ClickException(WAITING_FOR_USER[phase].format(job=job))
     with click.progressbar(length=1000, label=job, show_percent=True, show_eta=False,
                            item_show_func=lambda s: s) as bar:
         done = 0
@@ -71,7 +83,8 @@ def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
             prog = st.get("progress") or {}
             target = int(10 * float(prog.get("percent") or 0))
             bar.update(max(0, target - done), f"{st['phase']} loss {prog.get('loss') or '-'} "
-                                              f"cost {(st.get('cost') or {}).get('total', '0.00')}")
+                                              f"cost {(st.get('cost') or {}).get('total', '0.00')} "
+                                              f"{(st.get('cost') or {}).get('currency', '')}".rstrip())
             done = max(done, target)
             if st["phase"] in TERMINAL:
                 break

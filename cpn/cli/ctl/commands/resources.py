@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 
 from cpn.cli.ctl import output
 from cpn.cli.ctl.context import Ctx, pass_ctx
 from cpn.cli.ctl.main import cli
+from cpn.core.manifest import ManifestSyntaxError, load_yaml_all
 
 OUTPUT = click.option("-o", "--output", "fmt", type=click.Choice(["table", "wide", "json", "yaml"]),
                       default="table", show_default=True, help="Output format.")
@@ -33,7 +33,8 @@ def emit(obj: Any, fmt: str, columns: list[dict[str, Any]] | None = None) -> Non
 @click.argument("kind")
 @click.argument("name", required=False)
 @click.option("-l", "--selector", default=None, help="Label selector, e.g. -l env=prod,tier!=edge")
-@click.option("--limit", type=int, default=None, help="Page size (follows continue tokens).")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Show at most this many objects in all (the server pages; a note says when more exist).")
 @click.option("--job", default=None, help="Only objects of this job (events, subtasks, reservations).")
 @OUTPUT
 @pass_ctx
@@ -50,15 +51,28 @@ def get(obj: Ctx, kind: str, name: str | None, selector: str | None, limit: int 
     if name:
         emit(obj.client.get(f"{path}/{name}"), fmt, k["columns"])
         return
+    items, more = list_all(obj, path, selector=selector, limit=limit, job=job)
+    emit({"apiVersion": "cpn/v1", "kind": "List", "items": items}, fmt, k["columns"])
+    if more:
+        click.echo(f"(showing the first {limit}; more exist: raise --limit to see them)", err=True)
+
+
+PAGE = 500
+
+
+def list_all(obj: Ctx, path: str, *, selector: str | None, limit: int | None, job: str | None
+             ) -> tuple[list[dict[str, Any]], bool]:
+    """Every object (following continue tokens), or at most `limit` of them; True if more exist."""
     items: list[dict[str, Any]] = []
     token: str | None = None
-    while True:
-        page = obj.client.get(path, labelSelector=selector, limit=limit, job=job, **{"continue": token})
+    while limit is None or len(items) < limit:
+        size = PAGE if limit is None else min(PAGE, limit - len(items))
+        page = obj.client.get(path, labelSelector=selector, limit=size, job=job, **{"continue": token})
         items.extend(page["items"])
         token = (page.get("metadata") or {}).get("continue")
         if not token:
-            break
-    emit({"apiVersion": "cpn/v1", "kind": "List", "items": items}, fmt, k["columns"])
+            return items, False
+    return items[:limit], True
 
 
 @cli.command()
@@ -82,9 +96,12 @@ def read_documents(source: str) -> list[dict[str, Any]]:
             loaded = json.loads(text)
             docs = loaded if isinstance(loaded, list) else [loaded]
         else:
-            docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise click.ClickException(f"{source}: not valid YAML/JSON: {str(exc).splitlines()[0]}") from exc
+            docs = load_yaml_all(text, source)
+    except json.JSONDecodeError as exc:
+        raise click.ClickException(f"{source}: malformed JSON at line {exc.lineno} column {exc.colno}: "
+                                   f"{exc.msg}") from exc
+    except ManifestSyntaxError as exc:
+        raise click.ClickException(str(exc)) from exc
     expanded: list[dict[str, Any]] = []
     for doc in docs:
         if isinstance(doc, dict) and doc.get("kind") == "List":
@@ -99,27 +116,45 @@ def read_documents(source: str) -> list[dict[str, Any]]:
 
 @cli.command()
 @click.option("-f", "--filename", "source", required=True, help="A YAML/JSON file, or - for stdin.")
+@click.option("--dry-run", "dry_run", type=click.Choice(["none", "server"]), default="none", show_default=True,
+              help="server: the server checks everything and prices jobs (their quotes are shown), stores nothing.")
 @OUTPUT
 @pass_ctx
-def apply(obj: Ctx, source: str, fmt: str) -> None:
+def apply(obj: Ctx, source: str, dry_run: str, fmt: str) -> None:
     """Create or update every object in FILE, all or nothing."""
     docs = read_documents(source)
     if not docs:
         raise click.ClickException(f"{source}: no objects to apply")
-    result = obj.client.post("/api/v1/apply", json={"items": docs})
+    params = {"dryRun": "true"} if dry_run == "server" else None
+    result = obj.client.request("POST", "/api/v1/apply", json={"items": docs}, params=params)
     if fmt in ("json", "yaml"):
         click.echo(output.dump(result, fmt))
         return
     for item in result["items"]:
-        click.echo(f"{item['kind'].lower()}/{item['name']} {item['action']}")
+        click.echo(f"{item['kind'].lower()}/{item['name']} {item['action']}" + (" (server dry run)" if params else ""))
+        if item.get("quotes"):
+            click.echo(output.table(item["quotes"], obj.kind("quotes")["columns"]))
 
 
 @cli.command()
-@click.argument("kind")
-@click.argument("name")
+@click.argument("kind", required=False)
+@click.argument("names", nargs=-1)
+@click.option("-f", "--filename", "source", default=None, help="Delete the objects in this YAML/JSON file (- for stdin).")
 @pass_ctx
-def delete(obj: Ctx, kind: str, name: str) -> None:
-    """Delete one object."""
-    k = obj.kind(kind)
-    obj.client.delete(f"{k['path']}/{name}")
-    click.echo(f'{k["singular"]} "{name}" deleted')
+def delete(obj: Ctx, kind: str | None, names: tuple[str, ...], source: str | None) -> None:
+    """Delete objects: KIND NAME... or -f FILE (every object the file describes)."""
+    if source and (kind or names):
+        raise click.UsageError("give either KIND NAME... or -f FILE, not both")
+    if source:
+        targets = [(doc.get("kind") or "", (doc.get("metadata") or {}).get("name") or "")
+                   for doc in read_documents(source)]
+    elif kind and names:
+        targets = [(kind, name) for name in names]
+    else:
+        raise click.UsageError("what to delete: cpnctl delete KIND NAME... or cpnctl delete -f FILE")
+    for kind_name, name in targets:
+        k = obj.kind(str(kind_name))
+        if not name:
+            raise click.ClickException(f"{source}: a {k['kind']} without metadata.name")
+        obj.client.delete(f"{k['path']}/{name}")
+        click.echo(f'{k["singular"]} "{name}" deleted')

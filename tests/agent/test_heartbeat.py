@@ -11,10 +11,10 @@ from aiohttp import web
 from click.testing import CliRunner
 from sqlalchemy import select
 
+from cpn.agent.heartbeat import AgentConfig, Registration, run_agent
 from cpn.cli.agent import agent_cmd
 from cpn.client import ApiError
 from cpn.core.errors import InvalidInput, Unavailable
-from layers.resource.agent import AgentConfig, Registration, run_agent
 from layers.resource.models import ClusterRow
 from layers.resource.schemas import HeartbeatRequest
 from tests.kube_stub import KubeStub, make_node, make_pod

@@ -1,4 +1,4 @@
-"""The provider-side agent: observe a cluster's GPUs every round and heartbeat them to CPN.
+"""The site agent's heartbeat: observe a cluster's GPUs every round and report them to CPN.
 
 Two ways to observe: the site's Kubernetes API (discovery of node pools and free GPUs), or the
 local machine (CUDA devices when torch sees any, else N CPU "slots" — torch is optional). The
@@ -24,10 +24,10 @@ from cpn.core.errors import InvalidInput, Unavailable
 from layers.resource import gpus
 from layers.resource.catalog import REGIONS
 from layers.resource.discovery.kubernetes import DiscoveredPool, discover
+from layers.resource.gpus import CPU_SLOT_TFLOPS
 
 log = logging.getLogger("cpn.agent")
 
-CPU_SLOT_TFLOPS = 0.5  # a few cores of bf16 matmul; only the ratio to real GPUs matters
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +66,13 @@ class AgentConfig:
     timeout: timedelta = timedelta(seconds=10)
     once: bool = False
     register: Registration | None = None
+    state_dir: Path | None = None
+    """Where local runs live (default ~/.local/share/cpn/agent/<cluster>)."""
+    advertise_address: str | None = None
+    """Address other sites reach this one at (default: the one used to reach the server)."""
+    namespace: str = "default"
+    work: bool = True
+    """Claim and run sub-tasks (off: heartbeat only)."""
 
     def __post_init__(self) -> None:
         if self.local == (self.kubeconfig is not None):
@@ -98,20 +105,47 @@ class LocalDevices:
 
 
 async def run_agent(cfg: AgentConfig) -> None:
-    """Heartbeat until cancelled (or once). Raises ApiError / CPNError on a permanent failure."""
+    """Heartbeat (and run the cluster's sub-tasks) until cancelled, or heartbeat once. Raises
+    ApiError / CPNError on a permanent failure."""
     client = Client(cfg.server, cfg.token, timeout=cfg.timeout.total_seconds())
     try:
         spec = await _prepare(client, cfg)
-        while True:
-            observation = await observe(cfg)
-            await _send(client, cfg, observation, _prices(spec, cfg))
-            if cfg.once:
-                if observation.error is not None:
-                    raise observation.error
-                return
-            await asyncio.sleep(cfg.interval.total_seconds())
+        if cfg.once or not cfg.work:
+            await _heartbeats(client, cfg, spec)
+            return
+        from cpn.agent.work import WorkLoop, run_work
+
+        loop = WorkLoop(cfg.server, cfg.token, cfg.cluster, make_driver(cfg), advertise=cfg.advertise_address)
+        log.info("agent for cluster %s: claiming its sub-tasks, advertising %s", cfg.cluster, loop.advertise)
+        await asyncio.gather(_heartbeats(client, cfg, spec), run_work(loop))
     finally:
         client.close()
+
+
+async def _heartbeats(client: Client, cfg: AgentConfig, spec: dict[str, Any]) -> None:
+    while True:
+        observation = await observe(cfg)
+        await _send(client, cfg, observation, _prices(spec, cfg))
+        if cfg.once:
+            if observation.error is not None:
+                raise observation.error
+            return
+        await asyncio.sleep(cfg.interval.total_seconds())
+
+
+def default_state_dir(cluster: str) -> Path:
+    return Path.home() / ".local" / "share" / "cpn" / "agent" / cluster
+
+
+def make_driver(cfg: AgentConfig) -> Any:
+    """The cluster's driver, running here at the site."""
+    if cfg.local:
+        from layers.resource.drivers.local import LocalDriver
+
+        return LocalDriver(cfg.state_dir or default_state_dir(cfg.cluster))
+    from layers.resource.drivers.kubernetes import KubernetesDriver
+
+    return KubernetesDriver(kubeconfig=cfg.kubeconfig, context=cfg.context, namespace=cfg.namespace)
 
 
 async def observe(cfg: AgentConfig) -> Observation:

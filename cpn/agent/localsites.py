@@ -1,0 +1,115 @@
+"""Several sites on one machine, each its own "machine": one `cpn agent --local` per cluster, and,
+when run as root, each agent (and so its workers) in its own network namespace, joined to the API
+server's namespace and to each other only through the emulated WAN (netns + tbf/htb). Control and
+training traffic then really cross "the WAN". Used by `cpn demo` and the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cpn.runtime.netem import WanEmulator
+from cpn.runtime.topology import LinkSpec, SiteSpec, Topology
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    name: str
+    site: str
+    token: str
+    slots: int = 1
+
+
+@dataclass
+class LocalSites:
+    """Context manager: the WAN (if `wan`) on enter, agents with `start()`, all gone on exit."""
+
+    server_port: int
+    clusters: list[LocalCluster]
+    links: list[tuple[str, str, float]]  # site a, site b, Mbit/s
+    state_root: Path
+    wan: bool = False
+    heartbeat_seconds: float = 2.0
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    emulator: WanEmulator | None = None
+
+    @staticmethod
+    def can_emulate() -> bool:
+        return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+    def __enter__(self) -> LocalSites:
+        if self.wan:
+            sites = sorted({c.site for c in self.clusters})
+            topo = Topology(sites=[SiteSpec(name=s, ranks=1) for s in sites],
+                            links=[LinkSpec(a=a, b=b, bandwidth_mbps=mbps) for a, b, mbps in self.links])
+            self.emulator = WanEmulator(topo, join_host=True).__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+        for pid_file in self.state_root.glob("*/runs/*/attempt-*/*/runner.pid"):  # runs left behind
+            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        if self.emulator is not None:
+            self.emulator.__exit__(*exc)
+
+    @property
+    def server_host(self) -> str:
+        """Where the API server must listen for the agents to reach it."""
+        return self.emulator.host_addr if self.emulator else "127.0.0.1"
+
+    @property
+    def server_url(self) -> str:
+        return f"http://{self.server_host}:{self.server_port}"
+
+    def _site_index(self, site: str) -> int:
+        assert self.emulator is not None
+        return [s.name for s in self.emulator.topology.sites].index(site)
+
+    def start(self, cluster: LocalCluster, kill_workers_with_agent: bool = False) -> subprocess.Popen[bytes]:
+        """Start (or restart) the agent of `cluster`. Its token travels in the environment, not argv."""
+        argv = [sys.executable, "-m", "cpn.cli.server", "agent", "--cluster", cluster.name, "--local",
+                "--gpus", str(cluster.slots), "--server", self.server_url, "--interval", str(self.heartbeat_seconds),
+                "--state-dir", str(self.state_root / cluster.name)]
+        env = {**os.environ, "CPN_TOKEN": cluster.token, "PYTHONUNBUFFERED": "1"}
+        env.pop("CPN_SERVER", None)
+        if self.emulator is not None:
+            index = self._site_index(cluster.site)
+            env.update(self.emulator.env(index))
+            argv = self.emulator.wrap(index, argv)
+        log_dir = self.state_root / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_dir / f"agent-{cluster.name}.log", "ab") as log:
+            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[cluster.name] = proc
+        return proc
+
+    def start_all(self) -> None:
+        for cluster in self.clusters:
+            self.start(cluster)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the agent only: its workers (detached) go on."""
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def stop(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

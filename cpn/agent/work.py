@@ -1,0 +1,201 @@
+"""The agent's work loop: claim the sub-tasks placed on this cluster, launch them through the
+cluster's driver, report their phase and exit codes, ship their output, stop them when told.
+
+Two tasks share the state: a watcher long-polls `GET /api/v1/subtasks?cluster=NAME&watch=true` and
+claims what is pending; a monitor polls the driver every second and reports. Restart-safe: on start
+the driver's earlier launches are re-adopted (pid files for local runs, labels on Kubernetes), and a
+claim is idempotent on the server, so nothing is launched twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from cpn.client import ApiError, Client
+from cpn.core.phases import SUBTASK_DONE
+from cpn.runtime.contract import AttemptSpec, Endpoint
+from cpn.runtime.launcher import free_port
+from layers.resource.drivers.base import SiteDriver, SubtaskState
+
+log = logging.getLogger("cpn.agent")
+
+DONE = SUBTASK_DONE
+REPORT_EVERY = 10.0  # seconds: a keep-alive report even when nothing changed
+WATCH_SECONDS = 15
+
+
+def advertise_address(server: str) -> str:
+    """The address this machine uses to reach the server: what other sites can reach us at."""
+    url = urlparse(server)
+    host, port = url.hostname or "127.0.0.1", url.port or (443 if url.scheme == "https" else 80)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+@dataclass
+class Run:
+    uid: str
+    spec: AttemptSpec
+    handle: dict[str, Any]
+    reported: SubtaskState | None = None
+    reported_at: float = 0.0
+    cursor: dict[str, Any] = field(default_factory=dict)
+    stop_sent: bool = False
+
+
+class WorkLoop:
+    def __init__(self, server: str, token: str | None, cluster: str, driver: SiteDriver, *,
+                 advertise: str | None = None, timeout: float = 30.0):
+        self.server, self.cluster, self.driver = server.rstrip("/"), cluster, driver
+        self.advertise = advertise or advertise_address(server)
+        self.watch_client = Client(server, token, timeout=WATCH_SECONDS + timeout)
+        self.client = Client(server, token, timeout=timeout)
+        self.runs: dict[str, Run] = {}
+        self.desired: dict[str, str] = {}  # uid → Run | Stop, as last seen on the server
+        self.version: str | None = None
+        self.deferred = False
+
+    def close(self) -> None:
+        self.watch_client.close()
+        self.client.close()
+
+    async def _call(self, method: str, path: str, **kw: Any) -> Any:
+        return await asyncio.to_thread(getattr(self.client, method), path, **kw)
+
+    # ------------------------------------------------------------ start
+    async def adopt(self) -> None:
+        """Find the runs this agent launched before it was restarted, and keep reporting them."""
+        found = await self.driver.adopt()
+        if not found:
+            return
+        items = (await self._call("get", "/api/v1/subtasks", cluster=self.cluster))["items"]
+        uids = {(i["spec"]["job"], i["spec"]["attempt"], i["metadata"]["name"]): i["metadata"]["uid"] for i in items}
+        for spec, handle in found:
+            uid = uids.get((spec.job, spec.attempt, spec.subtask))
+            if uid is not None and uid not in self.runs:
+                self.runs[uid] = Run(uid, spec, handle)
+                log.info("re-adopted sub-task %s attempt %s (%s)", spec.subtask, spec.attempt, handle)
+
+    # ------------------------------------------------------------ watcher
+    async def watch_once(self) -> None:
+        params = {"cluster": self.cluster, "watch": "true", "timeoutSeconds": WATCH_SECONDS}
+        if self.deferred:  # a claim waits for another site's rendezvous: look again soon, not on our change
+            self.deferred = False
+            await asyncio.sleep(0.5)
+        elif self.version:
+            params["resourceVersion"] = self.version
+        try:
+            listing = await asyncio.to_thread(self.watch_client.get, "/api/v1/subtasks", **params)
+        except ApiError as exc:
+            if exc.status not in (400, 422) or "resourceVersion" not in params:
+                raise
+            log.warning("agent: the server refused our watch position (%s); listing afresh", exc.message)
+            self.version = None
+            return
+        self.version = listing.get("metadata", {}).get("resourceVersion")
+        active = {i["metadata"]["uid"]: i for i in listing["items"]}
+        self.desired = {uid: i["spec"]["desired"] for uid, i in active.items()}
+        for uid, run in self.runs.items():
+            if uid not in active and (run.reported is None or run.reported.phase not in DONE):
+                self.desired[uid] = "Stop"  # the server has finished with it
+        for uid, item in sorted(active.items(), key=lambda kv: kv[1]["spec"]["firstRank"]):
+            if item["status"]["phase"] == "Pending" and item["spec"]["desired"] == "Run" and uid not in self.runs:
+                await self._claim_and_launch(uid, item)
+
+    async def _claim_and_launch(self, uid: str, item: dict[str, Any]) -> None:
+        body: dict[str, Any] = {}
+        if item["spec"]["firstRank"] == 0:
+            body["rendezvous"] = Endpoint(host=self.advertise, port=free_port()).model_dump()
+        try:
+            raw = await self._call("post", f"/api/v1/subtasks/{uid}/claim", json=body)
+        except ApiError as exc:
+            if exc.status == 409:  # waiting for the first site's rendezvous, or stopped meanwhile
+                log.debug("claim %s deferred: %s", item["metadata"]["name"], exc.message)
+                self.deferred = True
+                return
+            raise
+        spec = AttemptSpec.model_validate(raw).model_copy(update={"server": self.server})
+        handle = await self.driver.launch(spec)
+        self.runs[uid] = Run(uid, spec, handle)
+        log.info("launched sub-task %s attempt %s: ranks %s..%s, rendezvous %s:%s", spec.subtask, spec.attempt,
+                 spec.first_rank, spec.first_rank + spec.workers - 1, spec.rendezvous.host if spec.rendezvous else "?",
+                 spec.rendezvous.port if spec.rendezvous else "?")
+
+    # ------------------------------------------------------------ monitor
+    async def monitor_once(self) -> None:
+        for uid, run in list(self.runs.items()):
+            if self.desired.get(uid) == "Stop" and not run.stop_sent:
+                await self.driver.cancel(run.spec, run.handle)
+                run.stop_sent = True
+                log.info("stopping sub-task %s attempt %s (desired Stop)", run.spec.subtask, run.spec.attempt)
+            state = await self.driver.poll(run.spec, run.handle)
+            lines, cursor = await self.driver.logs(run.spec, run.handle, run.cursor)
+            if lines:
+                await self._call("post", f"/api/v1/subtasks/{uid}/logs",
+                                 json={"lines": [{"rank": x.rank, "line": x.line[:4000]} for x in lines]})
+                run.cursor = cursor
+            if _changed(run.reported, state) or time.monotonic() - run.reported_at > REPORT_EVERY:
+                await self._report(run, state)
+            if state.phase in DONE and not lines and run.reported is not None and run.reported.phase in DONE:
+                del self.runs[uid]  # reported and drained; the run directory stays for inspection
+
+    async def _report(self, run: Run, state: SubtaskState) -> None:
+        body = {"phase": state.phase, "message": state.message[:2000],
+                "exitCodes": {k: v for k, v in state.exit_codes.items() if v is None or isinstance(v, int)}}
+        try:
+            await self._call("post", f"/api/v1/subtasks/{run.uid}/status", json=body)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+        run.reported, run.reported_at = state, time.monotonic()
+        if state.phase != "Running" or run.reported is None:
+            log.info("sub-task %s attempt %s: %s %s", run.spec.subtask, run.spec.attempt, state.phase, state.message)
+
+
+def _changed(old: SubtaskState | None, new: SubtaskState) -> bool:
+    return old is None or (old.phase, old.message, old.exit_codes) != (new.phase, new.message, new.exit_codes)
+
+
+async def run_work(loop: WorkLoop, interval: float = 1.0) -> None:
+    """Both halves until cancelled; transient API errors are retried, not fatal."""
+    await _retrying(loop.adopt, interval, once=True)
+
+    async def watcher() -> None:
+        while True:
+            await _retrying(loop.watch_once, interval)
+
+    async def monitor() -> None:
+        while True:
+            await _retrying(loop.monitor_once, interval)
+            await asyncio.sleep(interval)
+
+    try:
+        await asyncio.gather(watcher(), monitor())
+    finally:
+        loop.close()
+
+
+async def _retrying(step: Any, interval: float, once: bool = False) -> None:
+    while True:
+        try:
+            await step()
+            return
+        except ApiError as exc:
+            if exc.status not in (0, 429) and exc.status < 500 and exc.status not in (404, 409):
+                raise
+            log.warning("agent: %s; retrying", exc)
+        except OSError as exc:
+            log.warning("agent: %s; retrying", exc)
+        if once:
+            return
+        await asyncio.sleep(interval)

@@ -1,0 +1,342 @@
+"""`cpn.train`'s implementation: :func:`init` → :class:`Job` → :meth:`Job.wrap` → :class:`Trainer`.
+
+A worker started by a site's job runner (or by ``cpn train``'s launcher, or any torchrun-compatible
+launcher) finds its rank, the job's topology and its :class:`~cpn.runtime.config.TrainConfig` in its
+environment (:func:`cpn.runtime.contract.worker_env`); the user's ``spec.code.args`` come as JSON in
+``CPN_CODE_ARGS`` and the site's dataset URI in ``CPN_DATA_URI``.
+
+The budget: the job trains ``budget.steps`` optimiser steps (``spec.tokens / spec.globalBatchTokens``,
+rounded up to whole steps); every rank stops at the same step (the strategy decides it, so the
+synchronous strategies never leave a rank waiting in a collective). ``trainer.step(loss, tokens=n)``
+counts ``n`` units (tokens, samples, whatever the budget counts) in this rank's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpn.runtime import checkpoint
+from cpn.runtime.autotune import resolve
+from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, TrainConfig
+from cpn.runtime.contract import ENV
+from cpn.runtime.device import select_device, synchronize
+from cpn.runtime.groups import Groups, init_groups
+from cpn.runtime.metrics import Recorder, default_sinks
+from cpn.runtime.siteenv import globalise
+from cpn.runtime.strategies import Context, Strategy, build_strategy
+from cpn.runtime.strategies.base import flat_params, load_flat
+
+__all__ = ["FINAL_MODEL", "Budget", "Job", "Trainer", "init"]
+
+FINAL_MODEL = "final_model.pt"  # rank 0 writes it in the run directory; the job runner uploads it
+T = TypeVar("T")
+_JOB: Job | None = None
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the job may spend: ``units`` in all (tokens, samples …), ``per_step`` of them per global
+    step over all ranks, so ``steps`` optimiser steps."""
+
+    units: int
+    per_step: int
+    steps: int
+
+
+class Job:
+    """This worker's view of the job. Made once per process by :func:`init`."""
+
+    def __init__(self, cfg: TrainConfig, groups: Groups, *, config: dict[str, Any], bound_at: float,
+                 checkpoint_dir: Path | None, run_dir: Path | None, data_uri: str | None):
+        self._cfg, self._groups, self._bound_at = cfg, groups, bound_at
+        self.config: dict[str, Any] = config
+        """The user's own ``spec.code.args`` (a free JSON object)."""
+        self.checkpoint_dir = checkpoint_dir
+        self.run_dir = run_dir
+        self.data_uri = data_uri
+        """Where this site's replica of ``spec.dataset`` lives (None when the job names none)."""
+        self.budget = Budget(units=cfg.tokens, per_step=cfg.global_batch_tokens, steps=cfg.total_steps)
+        self._trainer: Trainer | None = None
+
+    @property
+    def rank(self) -> int:
+        return self._groups.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._groups.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._groups.local_rank
+
+    @property
+    def site(self) -> int:
+        """This worker's site, 0 .. num_sites - 1 (sites in ring order)."""
+        return self._groups.site
+
+    @property
+    def num_sites(self) -> int:
+        return self._groups.S
+
+    @property
+    def strategy(self) -> str:
+        """The job's strategy: ddp, hierarchical, local_sgd, diloco, gossip, ssp or async_ps."""
+        return self._cfg.strategy.name
+
+    @property
+    def device(self) -> torch.device:
+        return self._groups.device
+
+    @property
+    def seed(self) -> int:
+        return self._cfg.seed
+
+    def shard(self, dataset: Sequence[T]) -> Sequence[T]:
+        """This worker's contiguous part of any sized dataset (a list of files, a torch ``Dataset``,
+        an array …): ranks take consecutive, disjoint slices that together cover it."""
+        n = len(dataset)
+        lo, hi = self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size
+        if hi <= lo:
+            raise ValueError(f"a dataset of {n} items leaves rank {self.rank} of {self.world_size} without any: "
+                             "use a larger dataset or fewer workers")
+        if isinstance(dataset, list | tuple | range | str | bytes):
+            return dataset[lo:hi]
+        if isinstance(dataset, torch.utils.data.Dataset):
+            return torch.utils.data.Subset(dataset, range(lo, hi))  # type: ignore[return-value]
+        try:
+            return dataset[lo:hi]  # type: ignore[index,return-value]  # numpy arrays, tensors
+        except TypeError:
+            return _Slice(dataset, lo, hi)
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+             lr_schedule: bool | None = None) -> Trainer:
+        """Apply the job's strategy to ``model`` (moved to :attr:`device`) and ``optimizer``.
+
+        Every rank starts from rank 0's parameters (as torch DDP does). ``optimizer=None`` uses the
+        runtime's (AdamW at ``spec`` lr); ``lr_schedule`` (default: only then) drives the
+        optimiser's learning rate along CPN's warm-up + cosine schedule. ``async_ps`` keeps its own
+        optimiser at the parameter servers (AdamW at ``spec`` lr): there ``optimizer`` is not used."""
+        if self._trainer is not None:
+            raise RuntimeError("job.wrap() was called already: one model per job")
+        self._trainer = Trainer(self, model, optimizer, lr_schedule=optimizer is None if lr_schedule is None else lr_schedule)
+        return self._trainer
+
+
+class _Slice(Sequence):  # type: ignore[type-arg]
+    def __init__(self, data: Any, lo: int, hi: int):
+        self.data, self.lo, self.hi = data, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self.data[self.lo + (i % len(self))]
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p[:1].upper() + p[1:] for p in rest)
+
+
+_METRIC_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
+_RESERVED = {"rank", "site", "step", "tokens", "final", "jobTokens", "wallSeconds", "gpuSeconds", "wanBytes",
+             "intraBytes", "computeSeconds", "commSeconds", "waitSeconds", "tokensPerSecond"}
+
+
+class Trainer:
+    """Runs the job's strategy around the user's model and optimiser. Made by :meth:`Job.wrap`."""
+
+    def __init__(self, job: Job, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, lr_schedule: bool):
+        cfg, groups = job._cfg, job._groups
+        model.to(job.device)
+        if not cfg.resume:
+            _broadcast_from_rank0(model, groups)
+        shares = cfg.shares(groups.world_size)
+        self.job, self.model = job, model
+        self.ctx = Context(cfg=cfg, groups=groups, store=dist.distributed_c10d._get_default_store(), model=model,
+                           sampler=None, micro_batch=shares[groups.rank], shares=shares,  # type: ignore[arg-type]
+                           checkpoint_dir=job.checkpoint_dir, bound_at=job._bound_at)
+        self.strategy: Strategy = build_strategy(self.ctx)
+        if optimizer is not None and self.strategy.name != "async_ps":
+            self.strategy.opt = optimizer  # the strategy syncs; the user's optimiser steps
+        self.optimizer = self.strategy.opt
+        self.lr_schedule = lr_schedule
+        if cfg.resume:
+            restored = checkpoint.load(cfg.resume, groups.site)
+            if restored is None:
+                raise FileNotFoundError(f"no checkpoint under {cfg.resume} (it needs a latest.json)")
+            step, site_state, global_state = restored
+            self.strategy.load_state(site_state, global_state)
+            self.strategy.start_step = step
+        self._step = self.strategy.start_step
+        self._units = 0
+        self.recorder = Recorder(rank=groups.rank, site=groups.site, device_since=job._bound_at,
+                                 sinks=default_sinks(groups.rank, str(job.run_dir) if job.run_dir else None))
+        self._done = False
+        self._finished = False
+        self._last_loss: float | None = None
+        self._begin_step()
+        self._since = time.perf_counter()
+
+    # ------------------------------------------------------------------ the loop
+    @property
+    def steps(self) -> int:
+        """Optimiser steps taken (including those before a resume)."""
+        return self._step
+
+    @property
+    def done(self) -> bool:
+        """True once the job's budget is spent: stop calling :meth:`step`."""
+        return self._done
+
+    @property
+    def progress(self) -> float:
+        """The job-wide fraction of the budget spent, 0 .. 1."""
+        return min(1.0, float(self.strategy.progress))
+
+    def step(self, loss: torch.Tensor, tokens: int = 0) -> None:
+        """Backward, the strategy's synchronisation, the optimiser step; count ``tokens`` units."""
+        if self._done:
+            raise RuntimeError(f"the job's budget is spent ({self._step} steps): stop when trainer.done")
+        ctx = self.ctx
+        loss.backward()
+        synchronize(ctx.device)
+        busy = time.perf_counter() - self._since  # data + forward + backward since the last step
+        ctx.timers.add("compute", busy)
+        ctx.busy_seconds = getattr(ctx, "busy_seconds", 0.0) + busy
+        ctx.sequences_done = getattr(ctx, "sequences_done", 0) + ctx.micro_batch
+        self.strategy.after_backward(self._step)
+        self._step += 1
+        self._units += int(tokens)
+        self._last_loss = float(loss.detach().item())
+        self._emit(train_loss=self._last_loss)
+        if self.strategy.checkpoint_due(self._step):
+            self._checkpoint()
+        if self.strategy.should_stop(self._step):
+            self._finish()
+        else:
+            self._begin_step()
+        self._since = time.perf_counter()
+
+    def report(self, **metrics: float | int | None) -> None:
+        """Add your own metrics to the job's stream: ``trainer.report(val_loss=1.9, accuracy=0.7)``
+        appears as ``valLoss`` and ``accuracy`` in ``GET /api/v1/jobs/{name}/metrics`` and the portal."""
+        extra: dict[str, float | None] = {}
+        val = None
+        for name, value in metrics.items():
+            if not _METRIC_RE.match(name):
+                raise ValueError(f"metric name {name!r} is not valid: letters, digits and _ (start with a letter)")
+            key = _camel(name)
+            if key in _RESERVED or key == "trainLoss":
+                raise ValueError(f"metric {name!r} is CPN's own: pick another name")
+            number = None if value is None else float(value)
+            if key == "valLoss":
+                val = number
+            else:
+                extra[key] = number
+        self._emit(train_loss=None, val_loss=val, **extra)
+        if self._finished:
+            for sink in self.recorder.sinks:
+                sink.flush()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This site's model, optimiser and strategy state plus the job-wide state (what resume loads)."""
+        return {"step": self._step, "site": self.strategy.site_state(), "global": self.strategy.global_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.strategy.load_state(state.get("site"), state.get("global", {}))
+        self.strategy.start_step = self._step = int(state.get("step", 0))
+        self._done = self.strategy.should_stop(self._step)
+
+    # ------------------------------------------------------------------ internals
+    def _begin_step(self) -> None:
+        self.strategy.before_step(self._step)
+        saved = [g.get("lr") for g in self.strategy.opt.param_groups]
+        self.strategy.set_lr(self._step)  # also moves the strategy's progress
+        if not self.lr_schedule:
+            for group, lr in zip(self.strategy.opt.param_groups, saved, strict=True):
+                group["lr"] = lr
+
+    def _job_units(self) -> int:
+        return int(self.strategy.progress * self.ctx.cfg.tokens)
+
+    def _emit(self, *, train_loss: float | None, val_loss: float | None = None, final: bool = False,
+              **extra: Any) -> dict[str, Any]:
+        return self.recorder.report(step=self._step, tokens=self._units, timers=self.ctx.timers, train_loss=train_loss,
+                                    val_loss=val_loss, final=final, jobTokens=self._job_units(), **extra)
+
+    def _checkpoint(self) -> None:
+        ctx = self.ctx
+        checkpoint.save(ctx.checkpoint_dir, self._step, site=ctx.site, is_leader=ctx.is_leader,  # type: ignore[arg-type]
+                        is_rank0=ctx.rank == 0, site_state=self.strategy.site_state(),
+                        global_state=self.strategy.global_state() if ctx.rank == 0 else {},
+                        store=ctx.store, live_sites=self.strategy.live_sites())
+
+    def _finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = self._done = True
+        self.strategy.finish(self._step)
+        if not self.strategy.global_budget:
+            self.strategy.progress = 1.0
+        self._emit(train_loss=None, final=True)
+        for sink in self.recorder.sinks:  # kept open: the user may still report (e.g. a last val_loss)
+            sink.flush()
+        if self.ctx.rank == 0 and self.job.run_dir is not None:
+            checkpoint.atomic_save(self.model.state_dict(), self.job.run_dir / FINAL_MODEL)
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module, groups: Groups) -> None:
+    """Every rank starts from rank 0's parameters and buffers (the user's init need not be seeded)."""
+    if groups.world_size == 1:
+        return
+    flat = flat_params(model)
+    dist.broadcast(flat, src=0, group=groups.world)
+    load_flat(model, flat)
+    for buf in model.buffers():
+        dist.broadcast(buf, src=0, group=groups.world)
+
+
+def init() -> Job:
+    """This worker's :class:`Job`: reads the attempt contract from the environment, forms the
+    process groups and the topology. Call it once per process, before building the model."""
+    global _JOB
+    if _JOB is not None:
+        return _JOB
+    globalise()  # site-local torchrun ranks → the job's ranks (kubernetes driver)
+    cfg = TrainConfig.from_env()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    bound_at = time.perf_counter()
+    device = select_device(cfg.device.kind)
+    groups = init_groups(timeout=timedelta(seconds=max(600.0, 4 * cfg.strategy.wan_timeout_seconds)),
+                         device=device, wan_backend=cfg.device.wan_backend)
+    cfg = resolve(cfg, groups.topology)
+    raw = os.environ.get(ENV.CODE_ARGS) or "{}"
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{ENV.CODE_ARGS} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{ENV.CODE_ARGS} must be a JSON object (spec.code.args)")
+    ckpt = cfg.checkpoint_dir or os.environ.get(ENV_CHECKPOINT_DIR)
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    _JOB = Job(cfg, groups, config=config, bound_at=bound_at, checkpoint_dir=Path(ckpt) if ckpt else None,
+               run_dir=Path(run_dir) if run_dir else None, data_uri=os.environ.get(ENV.DATA_URI) or None)
+    return _JOB

@@ -1,0 +1,195 @@
+"""The server's side of the site-agent protocol. Agents dial out with their provider's token; each
+sees and claims only the sub-tasks placed on clusters its provider owns (others: 404), receives the
+attempt contract on claim, and reports phase, exit codes and worker output back.
+
+Desired state (`SubtaskRow.desired`) is written by the reconciler only; reported state
+(`reported`, exit codes, message) by the agent only. The reconciler reads both.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from cpn.core import errors
+from cpn.core.phases import SUBTASK_DONE, SubtaskPhase
+from cpn.core.principal import Principal, Role
+from cpn.runtime.contract import AttemptSpec, CodeRef, Endpoint
+from layers.orchestration.identity.models import Account
+from layers.orchestration.identity.tokens import issue_token
+from layers.orchestration.lifecycle.models import LogRow, SubtaskRow
+from layers.orchestration.lifecycle.plan import ELASTIC
+from layers.resource.models import ClusterRow
+from layers.service.jobs import find_job
+from layers.service.models import JobRow
+
+REPORTABLE = tuple(p.value for p in SubtaskPhase if p is not SubtaskPhase.PENDING)  # Pending is the server's
+DONE = SUBTASK_DONE
+MAX_LOG_LINE = 4000
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ClaimRequest(_Body):
+    rendezvous: Endpoint | None = Field(default=None, description="Only from the agent of the sub-task holding "
+                                        "global rank 0: where its workers serve the job's rendezvous")
+
+
+class SubtaskReport(_Body):
+    phase: Literal["Launching", "Running", "Succeeded", "Failed", "Cancelled", "Lost"]
+    message: str = Field(default="", max_length=2000)
+    exit_codes: dict[str, int | None] = Field(default_factory=dict, alias="exitCodes", max_length=4096)
+
+
+class LogLineIn(_Body):
+    rank: int = Field(ge=0)
+    line: str = Field(max_length=MAX_LOG_LINE)
+
+
+class LogBatch(_Body):
+    lines: list[LogLineIn] = Field(max_length=5000)
+
+
+def view(t: SubtaskRow) -> dict[str, Any]:
+    """The SubTask manifest (never the contract: that comes only with a claim)."""
+    return {"apiVersion": "cpn/v1", "kind": "SubTask",
+            "metadata": {"name": t.name, "uid": t.id, "creationTimestamp": t.created_at.isoformat()},
+            "spec": {"job": t.job, "attempt": t.attempt, "cluster": t.cluster, "site": t.site, "gpus": t.gpus,
+                     "driver": t.driver, "desired": t.desired, "firstRank": t.first_rank},
+            "status": {"phase": t.phase, "launches": t.launches, "message": t.message,
+                       "exitCodes": t.exit_codes or {},
+                       "claimedAt": t.claimed_at.isoformat() if t.claimed_at else None,
+                       "reportedAt": t.reported_at.isoformat() if t.reported_at else None}}
+
+
+async def _owned_clusters(s: AsyncSession, principal: Principal) -> Any:
+    return select(ClusterRow.name).where(ClusterRow.owner_id == principal.account_id)
+
+
+async def visible(s: AsyncSession, principal: Principal, *, cluster: str | None = None, job: str | None = None,
+                  active: bool = False) -> list[SubtaskRow]:
+    """Sub-tasks the caller may see: a provider those on its clusters, a user those of its own jobs."""
+    stmt = select(SubtaskRow).order_by(SubtaskRow.job, SubtaskRow.attempt, SubtaskRow.site_index)
+    if principal.role is Role.PROVIDER:
+        stmt = stmt.where(SubtaskRow.cluster.in_(await _owned_clusters(s, principal)))
+    elif not principal.is_admin:
+        stmt = stmt.where(SubtaskRow.job.in_(select(JobRow.name).where(JobRow.owner_id == principal.account_id)))
+    if cluster is not None:
+        await _check_cluster(s, principal, cluster)
+        stmt = stmt.where(SubtaskRow.cluster == cluster)
+    if job is not None:
+        stmt = stmt.where(SubtaskRow.job == job)
+    if active:
+        stmt = stmt.where(SubtaskRow.phase.not_in(DONE))
+    return list((await s.execute(stmt)).scalars())
+
+
+async def version(s: AsyncSession, cluster: str) -> str:
+    """Changes whenever a sub-task of the cluster changes: what a watch waits on."""
+    row = (await s.execute(select(func.count(), func.max(SubtaskRow.updated_at), func.sum(SubtaskRow.resource_version))
+                           .where(SubtaskRow.cluster == cluster))).one()
+    stamp = int(row[1].timestamp() * 1e6) if row[1] else 0  # digits only: opaque and URL-safe on any database
+    return f"{row[0]}.{stamp}.{row[2] or 0}"
+
+
+async def _check_cluster(s: AsyncSession, principal: Principal, cluster: str) -> ClusterRow:
+    row = (await s.execute(select(ClusterRow).where(ClusterRow.name == cluster))).scalar_one_or_none()
+    if row is None or not principal.owns(row.owner_id):
+        raise errors.NotFound(f"Cluster {cluster!r} not found", field="cluster")
+    return row
+
+
+async def _load(s: AsyncSession, principal: Principal, uid: str, *, lock: bool = False) -> SubtaskRow:
+    stmt = select(SubtaskRow).where(SubtaskRow.id == uid)
+    if lock:
+        stmt = stmt.with_for_update()
+    row = (await s.execute(stmt)).scalar_one_or_none()
+    if row is None or principal.role not in (Role.PROVIDER, Role.ADMIN):
+        raise errors.NotFound(f"SubTask {uid!r} not found")
+    await _check_cluster(s, principal, row.cluster)
+    return row
+
+
+async def get(s: AsyncSession, principal: Principal, uid: str) -> SubtaskRow:
+    return await _load(s, principal, uid)
+
+
+async def _rendezvous(s: AsyncSession, t: SubtaskRow) -> dict[str, Any] | None:
+    lead = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == t.job, SubtaskRow.attempt == t.attempt,
+                                                     SubtaskRow.first_rank == 0))).scalar_one_or_none()
+    return lead.rendezvous if lead is not None else None
+
+
+async def claim(s: AsyncSession, principal: Principal, uid: str, body: ClaimRequest) -> AttemptSpec:
+    """Idempotent: the first claim moves the sub-task to Launching; any later one (a restarted agent)
+    returns the contract again, with a fresh worker token."""
+    t = await _load(s, principal, uid, lock=True)
+    if t.desired != "Run" or t.phase in DONE:
+        raise errors.Conflict(f"sub-task {t.name} (attempt {t.attempt}) is {t.phase}, desired {t.desired}: "
+                              "nothing to run", field="desired")
+    job = await find_job(s, t.job)
+    if job is None:
+        raise errors.NotFound(f"TrainingJob {t.job!r} not found")
+    if t.first_rank == 0 and t.rendezvous is None:
+        if body.rendezvous is None:
+            raise errors.InvalidInput("this sub-task holds global rank 0: its agent must advertise the "
+                                      "rendezvous endpoint", field="rendezvous")
+        t.rendezvous = body.rendezvous.model_dump()
+    rendezvous = await _rendezvous(s, t)
+    if rendezvous is None:
+        raise errors.Conflict(f"sub-task {t.name} waits for the rendezvous of the job's first site; retry",
+                              field="rendezvous")
+    if t.phase == "Pending":
+        t.phase, t.launches, t.claimed_at = "Launching", t.launches + 1, datetime.now(UTC)
+        t.launched_at = t.claimed_at
+    owner = (await s.execute(select(Account).where(Account.id == job.owner_id))).scalar_one()
+    token = await issue_token(s, owner, f"worker-{job.name}-{t.attempt}", job=job.name)
+    return contract(job, t, rendezvous, token)
+
+
+def contract(job: JobRow, t: SubtaskRow, rendezvous: dict[str, Any] | None, token: str | None) -> AttemptSpec:
+    code = (job.spec or {}).get("code")  # the user's bundle: the agent fetches it by digest
+    return AttemptSpec(code=CodeRef(digest=code["digest"], entrypoint=code["entrypoint"], args=code.get("args") or {})
+                       if code and code.get("digest") else None,
+                       job=job.name, job_uid=job.id, attempt=t.attempt, subtask=t.name, cluster=t.cluster, site_index=t.site_index,
+                       first_rank=t.first_rank, workers=t.gpus, topology=job.status["topology"],
+                       train=job.status["train"], elastic=job.status.get("strategy") in ELASTIC,
+                       rendezvous=Endpoint(**rendezvous) if rendezvous else None, worker_token=token)
+
+
+async def report(s: AsyncSession, principal: Principal, uid: str, body: SubtaskReport) -> SubtaskRow:
+    """Store what the agent saw. A terminal report is final: later ones do not move it back."""
+    t = await _load(s, principal, uid, lock=True)
+    if t.reported in DONE and body.phase != t.reported:
+        return t
+    t.reported = body.phase
+    t.exit_codes = dict(body.exit_codes)
+    t.handle = {**(t.handle or {}), "message": body.message}
+    t.reported_at = datetime.now(UTC)
+    if t.desired == "Stop" and body.phase in DONE and t.phase not in DONE:  # a confirmed stop needs no reconciling
+        t.phase, t.finished_at = body.phase, t.reported_at
+    return t
+
+
+async def append_logs(s: AsyncSession, principal: Principal, uid: str, batch: LogBatch) -> int:
+    t = await _load(s, principal, uid)
+    now = datetime.now(UTC)
+    s.add_all([LogRow(job=t.job, attempt=t.attempt, subtask=t.name, site=t.site, rank=line.rank,
+                      line=line.line.replace("\x00", ""), at=now) for line in batch.lines])
+    return len(batch.lines)
+
+
+async def read_logs(s: AsyncSession, job: str, *, attempt: int, site: str | None = None, rank: int | None = None,
+                    after: int = 0, limit: int = 5000) -> list[LogRow]:
+    stmt = select(LogRow).where(LogRow.job == job, LogRow.attempt == attempt, LogRow.id > after)
+    if site is not None:
+        stmt = stmt.where((LogRow.site == site) | (LogRow.subtask == site))
+    if rank is not None:
+        stmt = stmt.where(LogRow.rank == rank)
+    return list((await s.execute(stmt.order_by(LogRow.id).limit(limit))).scalars())

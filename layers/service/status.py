@@ -1,0 +1,80 @@
+"""The typed status of a TrainingJob: every key any layer may write, with its type.
+
+A job's status is stored as JSON on its row; `update_status`/`set_phase` (layers/service/jobs.py) are
+its only writers and validate every change against `JobStatus`, so an unknown key or a wrong type is
+a programming error caught where it is written, not a surprise for a reader three layers away.
+Readers use `status_of(row)` for typed access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from cpn.core.manifest import CamelModel
+
+
+class Progress(CamelModel):
+    percent: float = 0.0
+    tokens: int = 0
+    loss: float | None = None
+    val_loss: float | None = None
+    train_loss: float | None = None
+    tokens_per_second: float = 0.0
+    eta_seconds: float = 0.0
+    updated_at: str | None = None
+
+
+class Amount(CamelModel):
+    total: str
+    currency: str
+
+
+class Measured(CamelModel):
+    wall_seconds: float
+    predicted_seconds: float
+    ratio: float | None = None
+
+
+class JobStatus(CamelModel):
+    """`phase` itself lives in its own column (`JobRow.phase`, a `JobPhase`); views add it on read."""
+
+    conditions: list[dict[str, Any]] = Field(default_factory=list)
+    phase_times: dict[str, str] = Field(default_factory=dict)
+    message: str | None = None
+    # the accepted quote (layers/service/contracts.py)
+    contract: str | None = None
+    quote: str | None = None
+    strategy: str | None = None
+    placement: list[dict[str, Any]] = Field(default_factory=list)
+    ring: list[str] = Field(default_factory=list)
+    predicted_seconds: float | None = None
+    quote_lines: list[dict[str, Any]] = Field(default_factory=list)
+    price: Amount | None = None
+    # the current attempt (layers/orchestration/lifecycle/reconciler.py)
+    attempt: int = 0
+    topology: dict[str, Any] | None = None
+    train: dict[str, Any] | None = None
+    checkpoint_every: int = 0
+    sites: str | None = None
+    failed_sites: list[dict[str, Any]] = Field(default_factory=list)
+    cancel_requested: bool = False
+    measured: Measured | None = None
+    # metering (layers/orchestration/lifecycle/metering.py)
+    meter: dict[str, Any] = Field(default_factory=dict)
+    since_checkpoint: dict[str, float] = Field(default_factory=dict)
+    billed: dict[str, Any] = Field(default_factory=dict)
+    progress: Progress | None = None
+    cost: Amount | None = None
+
+
+def validated(status: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`status` with `changes` applied; the changes are checked against JobStatus (an unknown key or a
+    wrong type raises) and keep their wire (camelCase) form. Keys already stored are left as they are."""
+    checked = JobStatus.model_validate(changes).model_dump(mode="json", by_alias=True, exclude_unset=True)
+    return {**status, **checked}
+
+
+def status_of(row: Any) -> JobStatus:
+    return JobStatus.model_validate(row.status or {})
