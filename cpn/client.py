@@ -69,6 +69,44 @@ class Client:
     def delete(self, path: str) -> Any:
         return self.request("DELETE", path)
 
+    def exists(self, path: str) -> bool:
+        """HEAD: 200 → True, 404 → False, anything else raises."""
+        try:
+            response = self._http.head(path)
+        except httpx.TransportError as exc:
+            raise ApiError(0, "unreachable", f"cannot reach {self.server}: {exc}") from exc
+        if response.status_code == 404:
+            return False
+        self._decode(response)
+        return True
+
+    def put_bytes(self, path: str, data: bytes, timeout: float = 600.0) -> Any:
+        """PUT a binary body (code bundles)."""
+        try:
+            response = self._http.put(path, content=data, timeout=timeout,
+                                      headers={"Content-Type": "application/octet-stream"})
+        except httpx.TransportError as exc:
+            raise ApiError(0, "unreachable", f"cannot reach {self.server}: {exc}") from exc
+        return self._decode(response)
+
+    def download(self, path: str, dest: Any, progress: Any = None) -> int:
+        """Stream a binary GET into the open file ``dest``; ``progress(done, total)`` after each chunk."""
+        try:
+            with self._http.stream("GET", path, timeout=None) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    self._decode(response)
+                total = int(response.headers.get("Content-Length") or 0)
+                done = 0
+                for chunk in response.iter_bytes(1 << 20):
+                    dest.write(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done, total)
+                return done
+        except httpx.TransportError as exc:
+            raise ApiError(0, "unreachable", f"cannot reach {self.server}: {exc}") from exc
+
     def stream_lines(self, path: str, params: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
         """Yield lines of a streaming response (logs -f)."""
         try:

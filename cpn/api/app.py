@@ -13,6 +13,7 @@ from cpn.api.routes import resources, system
 from cpn.core.db import Database
 from cpn.core.migrate import upgrade_async
 from cpn.core.settings import Settings, get_settings
+from layers.resource.blobs import BlobStore
 
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 
@@ -26,7 +27,8 @@ def create_app(settings: Settings | None = None, db: Database | None = None, *, 
     )
     app[state.SETTINGS] = settings
     app[state.DB] = db or Database(settings.effective_database_url)
-    app[state.KINDS] = wiring.build_registry(settings)
+    app[state.BLOBS] = BlobStore.of(settings)
+    app[state.KINDS] = wiring.build_registry(settings, app[state.BLOBS])
     app[state.DOCS] = []
     app[middleware.RATE] = middleware.RateLimiter(settings.rate_limit_per_minute)
     if migrate:  # a cleanup context, so it runs before the reconciler's (contexts start in order)

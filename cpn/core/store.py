@@ -52,6 +52,30 @@ SELECTOR_HELP = ("a label selector is a comma-separated list of key=value, key!=
 Term = tuple[str, str, frozenset[str] | None]
 
 
+def _check_read_only(body: dict[str, Any]) -> None:
+    """Read-only parts (status, metadata.uid/creationTimestamp/owner) are ignored on input, but only
+    when they have the shape the server returns them in: anything else is a client's mistake."""
+    if body.get("status") is not None and not isinstance(body["status"], dict):
+        raise errors.InvalidInput(f"status is read-only: leave it out or give the object the server returned, "
+                                  f"not {type(body['status']).__name__}", field="status")
+    meta = body.get("metadata")
+    if not isinstance(meta, dict):
+        return
+    for k in READ_ONLY_META:
+        value = meta.get(k)
+        if value is None:
+            continue
+        ok = isinstance(value, str)
+        if ok and k == "creationTimestamp":
+            try:
+                datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                ok = False
+        if not ok:
+            raise errors.InvalidInput(f"{k} is read-only: leave it out or give the value the server returned, "
+                                      f"not {value!r:.40}", field=f"metadata.{k}")
+
+
 def _split_terms(text: str) -> list[str]:
     """Split on commas outside parentheses: `team in (nlp,cv),env=prod` has two terms."""
     terms, depth, start = [], 0, 0
@@ -328,13 +352,10 @@ class ResourceStore:
 
     def parse(self, body: Any) -> BaseModel:
         if isinstance(body, dict):
+            _check_read_only(body)
             body = {k: v for k, v in body.items() if k != "status"}
             meta = body.get("metadata")
             if isinstance(meta, dict):
-                for k in READ_ONLY_META:
-                    if meta.get(k) is not None and not isinstance(meta[k], str):
-                        raise errors.InvalidInput(f"{k} is read-only: leave it out or give the string the server "
-                                                  f"returned, not {type(meta[k]).__name__}", field=f"metadata.{k}")
                 body["metadata"] = {k: v for k, v in meta.items() if k not in READ_ONLY_META}
             if body.get("kind") not in (None, self.kind):
                 raise errors.InvalidInput(f"kind must be {self.kind!r}", field="kind")

@@ -19,12 +19,18 @@ from obstore.exceptions import NotFoundError
 from obstore.store import LocalStore, from_url
 
 from cpn.core import errors
+from cpn.core.settings import Settings
 
 KEY_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{0,62}(/[A-Za-z0-9][A-Za-z0-9._\-]{0,127}){1,4}$")
 CHUNK = 1 << 20
 
 
 class BlobStore:
+    @classmethod
+    def of(cls, settings: Settings) -> BlobStore:
+        """The server's store: ``CPN_BLOB_URL``, else ``<data_dir>/blobs``."""
+        return cls(settings.blob_url or settings.data_dir / "blobs", settings.blob_max_bytes)
+
     def __init__(self, root: Path | str, max_bytes: int):
         """`root`: a directory (the default store) or an object-store URL."""
         self.max_bytes = max_bytes

@@ -25,12 +25,11 @@ from cpn.core.principal import Role
 from cpn.runtime.contract import AttemptSpec
 from layers.orchestration.lifecycle import agents, checkpoints, metering, views
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
-from layers.resource.blobs import BlobStore
 from layers.service.contracts import contract_of
 from layers.service.jobs import TERMINAL, JobStore, load_job
 
 RECONCILER = web.AppKey("reconciler", Reconciler)
-BLOBS = web.AppKey("blobs", BlobStore)
+BLOBS = state.BLOBS
 WATCH_MAX_SECONDS = 30.0
 LOG_FOLLOW_POLL = 0.5
 
@@ -239,7 +238,6 @@ async def top_links(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- app wiring
 async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[state.SETTINGS]
-    app[BLOBS] = BlobStore(settings.blob_url or settings.data_dir / "blobs", settings.blob_max_bytes)
     reconciler = Reconciler(app[state.DB], ReconcilerConfig(
         heartbeat_timeout=timedelta(seconds=settings.heartbeat_timeout_seconds),
         lease_ttl=timedelta(seconds=settings.lease_ttl_seconds),

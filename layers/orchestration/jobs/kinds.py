@@ -3,10 +3,12 @@ quotes, reservations, invoices, events."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from cpn.core import errors
 from cpn.core.kinds import AGE, Column, Kind, KindRegistry
 from cpn.core.principal import Principal
 from layers.orchestration.jobs import workflow
@@ -14,18 +16,32 @@ from layers.orchestration.jobs.retire import forget
 from layers.service.jobs import JobStore
 from layers.service.schemas import TrainingJobManifest
 
+CodeCheck = Callable[[str, str], bool]  # (account, "sha256:…") → whether that account holds the bundle
+
 
 class OrchestratedJobStore(JobStore):
     """A job store whose creation plans and quotes the job in the same transaction."""
 
-    def __init__(self, timeouts: workflow.Timeouts):
+    def __init__(self, timeouts: workflow.Timeouts, code_exists: CodeCheck | None = None):
         self.timeouts = timeouts
+        self.code_exists = code_exists
+
+    def check_code(self, principal: Principal, body: Any) -> None:
+        """A job naming a code bundle this account never uploaded is refused before it is priced."""
+        spec = self.parse(body).spec  # type: ignore[attr-defined]
+        if spec.code is not None and self.code_exists is not None \
+                and not self.code_exists(principal.account_id, spec.code.digest):
+            raise errors.InvalidInput(f"no code bundle {spec.code.digest} in your account: `cpnctl apply -f "
+                                      "job.yaml` packs spec.code.path and uploads it (PUT /api/v1/bundles/{sha256})",
+                                      field="spec.code.digest")
 
     async def submit(self, session: AsyncSession, principal: Principal, body: Any,
                      idempotency_key: str | None) -> tuple[dict[str, Any], bool]:
+        self.check_code(principal, body)
         return await workflow.submit(session, principal, body, idempotency_key, self.timeouts)
 
     async def preview(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
+        self.check_code(principal, body)
         return await workflow.preview(session, principal, body, self.timeouts)
 
     async def create(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
@@ -33,6 +49,7 @@ class OrchestratedJobStore(JobStore):
 
     async def replace(self, session: AsyncSession, principal: Principal, name: str, body: Any,
                       *, check_version: bool = True) -> dict[str, Any]:
+        self.check_code(principal, body)
         await super().replace(session, principal, name, body, check_version=check_version)
         job = await self.load(session, principal, name)
         await workflow.requote(session, job, self.timeouts)
@@ -48,10 +65,10 @@ class OrchestratedJobStore(JobStore):
         await super().delete(session, principal, name)
 
 
-def register(registry: KindRegistry, timeouts: workflow.Timeouts) -> None:
+def register(registry: KindRegistry, timeouts: workflow.Timeouts, code_exists: CodeCheck | None = None) -> None:
     registry.register(Kind(
         kind="TrainingJob", plural="jobs", short_names=("job", "trainingjob", "trainingjobs", "tj"),
-        manifest=TrainingJobManifest, store=OrchestratedJobStore(timeouts), order=50,
+        manifest=TrainingJobManifest, store=OrchestratedJobStore(timeouts, code_exists), order=50,
         verbs=("list", "get", "create", "update", "patch", "delete"),
         columns=(Column("PHASE", "{status.phase}"), Column("PROGRESS", "{status.progress.percent}%"),
                  Column("LOSS", "{status.progress.loss}"), Column("SITES", "{status.sites}"),

@@ -111,3 +111,32 @@ def top(obj: Ctx, what: str, fmt: str) -> None:
             for i in data["items"]]
     click.echo(output.format_rows(["SITE", "REGION", "PROVIDER", "READY", "CAPACITY", "ALLOCATABLE", "LEASED",
                                    "UTIL", "RUNNING"], rows))
+
+
+@cli.command()
+@click.argument("source")
+@click.argument("dest", type=click.Path(dir_okay=False, writable=True))
+@pass_ctx
+def cp(obj: Ctx, source: str, dest: str) -> None:
+    """Download a job's artefact: cpnctl cp job/NAME:final ./model.pt (the final weights, a torch state_dict)."""
+    kind, _, rest = source.partition("/")
+    name, _, what = rest.partition(":")
+    if kind not in ("job", "jobs", "trainingjob", "tj") or not name or what != "final":
+        raise click.UsageError(f"cannot copy {source!r}: the source is job/NAME:final")
+    from pathlib import Path
+
+    target = Path(dest)
+    partial = target.with_name(target.name + ".part")
+    with partial.open("wb") as fh, click.progressbar(length=1, label=f"{name}:final", show_eta=False,
+                                                      file=click.get_text_stream("stderr")) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.length = max(total, done, 1)
+            bar.update(done - bar.pos)
+
+        try:
+            size = obj.client.download(f"/api/v1/jobs/{name}/final", fh, progress)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+    partial.replace(target)  # never a half-written model under the user's name
+    click.echo(f"job/{name}:final → {target} ({size:,} bytes)")

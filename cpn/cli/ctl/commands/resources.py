@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from cpn.cli.ctl import output
+from cpn.cli.ctl.code import upload_code
 from cpn.cli.ctl.context import Ctx, pass_ctx
 from cpn.cli.ctl.main import cli
 from cpn.core.manifest import ManifestSyntaxError, load_yaml_all
@@ -126,6 +127,7 @@ def apply(obj: Ctx, source: str, dry_run: str, fmt: str) -> None:
     if not docs:
         raise click.ClickException(f"{source}: no objects to apply")
     params = {"dryRun": "true"} if dry_run == "server" else None
+    upload_code(obj.client, docs, source)  # spec.code.path → an uploaded bundle's digest (also for a dry run)
     result = obj.client.request("POST", "/api/v1/apply", json={"items": docs}, params=params)
     if fmt in ("json", "yaml"):
         click.echo(output.dump(result, fmt))
