@@ -333,3 +333,59 @@ def test_live_chart_follows_the_run_to_a_trained_model(portal_world: tuple[LiveS
         page.get_by_role("link", name="Invoices").click()
         expect(page.get_by_role("heading", name=re.compile(r"^portal-run — \d+\.\d\d USD$"))).to_be_visible()
         page.screenshot(path=str(tmp_path / "portal-invoices.png"), full_page=True)
+
+
+SERIOUS = ("serious", "critical")
+
+
+def axe_problems(page: Page) -> list[str]:
+    """axe-core (shipped by axe-playwright-python) on the current page: serious and critical violations."""
+    from axe_playwright_python.sync_playwright import Axe
+
+    response = Axe().run(page).response
+    assert response["testEngine"]["name"] == "axe-core" and response["passes"], "axe did not run"
+    found = response["violations"]
+    return [f"{v['id']} ({v['impact']}): {v['help']} — {[n['target'] for n in v['nodes']][:3]}"
+            for v in found if v.get("impact") in SERIOUS]
+
+
+def sideways_scroll(page: Page) -> int:
+    """How many CSS pixels the page scrolls sideways (0: it fits the viewport)."""
+    return int(page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth"))
+
+
+@needs_browser
+@pytest.mark.parametrize("width", [1280, 390])
+def test_every_page_passes_axe_and_fits_a_phone(portal_world: tuple[LiveServer, str], width: int) -> None:
+    """Overview, jobs, the new-job form with its quotes, a job's page and invoices: no serious or
+    critical axe violation, and at 390 px nothing scrolls sideways."""
+    from playwright.sync_api import expect
+
+    server, user = portal_world
+    name = f"axe-{width}"
+    with signed_in(server, user, width=width) as page:
+        checked: dict[str, list[str]] = {}
+
+        def check(view: str) -> None:
+            checked[view] = axe_problems(page)
+            if width < 600:
+                assert sideways_scroll(page) <= 0, f"{view} scrolls sideways by {sideways_scroll(page)} px at {width}"
+
+        expect(page.locator("#network-map")).to_be_visible()
+        check("overview")
+        page.goto(f"{server.url}/ui#/jobs/new")
+        fill_job(page, name)
+        get_quotes(page)
+        check("new job with quotes")
+        page.get_by_role("button", name="Accept balanced").click()
+        page.wait_for_url(f"**/ui#/jobs/{name}")
+        expect(page.locator("#phase .badge")).to_be_visible()
+        check("job")
+        page.get_by_role("link", name="Jobs", exact=True).click()
+        expect(page.get_by_role("link", name=name)).to_be_visible()
+        check("jobs")
+        page.get_by_role("link", name="Invoices").click()
+        expect(page.get_by_role("heading", name=re.compile("Invoices", re.I)).first).to_be_visible()
+        check("invoices")
+    bad = {view: problems for view, problems in checked.items() if problems}
+    assert not bad, bad
