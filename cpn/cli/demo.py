@@ -150,7 +150,8 @@ def _summary(client: Client, job: dict[str, Any], wall: float) -> None:
               "WAN (netns + tbf; default: when root).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the demo's database and runs here (default: a temporary directory).")
-@click.option("--keep", is_flag=True, help="Leave the server running at the end.")
+@click.option("--keep", is_flag=True, help="Keep the server and the site agents up after the demo job, for your "
+              "own jobs (cpnctl apply -f examples/byo-vision/job.yaml), until Ctrl-C.")
 def demo_cmd(tokens: int, model: str, wan: bool | None, data_dir: Path | None, keep: bool) -> None:
     """Run the end-to-end demo: three sites with their agents, quotes, a training job across them, the bill."""
     wan = LocalSites.can_emulate() if wan is None else wan
@@ -188,15 +189,30 @@ def demo_cmd(tokens: int, model: str, wan: bool | None, data_dir: Path | None, k
             with Client(server, user) as client:
                 _wait_ready(client, len(clusters))
                 _run_job(client, tokens, model)
-        finally:
             if keep:
-                click.echo(f"● server left running on {server} (pid {proc.pid}); data in {data_dir}")
-            else:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                _hold(server, data_dir, user)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _hold(server: str, data_dir: Path, user: str) -> None:
+    """--keep: the server and the site agents stay up for the user's own jobs until Ctrl-C. The
+    user's token goes to a 0600 file, never onto a command line."""
+    token_file = data_dir / "demo-user.token"
+    token_file.touch(mode=0o600)
+    token_file.write_text(user + "\n")
+    click.echo(f"● the demo world stays up until Ctrl-C: server {server}, data in {data_dir}\n"
+               f"  export CPN_SERVER={server} CPN_TOKEN=$(cat {token_file})\n"
+               "  cpnctl apply -f examples/byo-vision/job.yaml && cpnctl accept byo-vision && cpnctl wait byo-vision")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        click.echo("● stopping the demo world")
 
 
 def _wait_ready(client: Client, count: int, timeout: float = 60.0) -> None:
