@@ -141,6 +141,22 @@ def _summary(client: Client, job: dict[str, Any], wall: float) -> None:
         click.echo(f"  cost {provider:<12} {amount:.2f} USD")
     billed = sum((Decimal(inv["status"]["total"]) for inv in invoices), Decimal(0))  # rounded once, per invoice
     click.echo(f"  cost total        {billed} USD (lines exact to 6 places, the invoice total to the cent)")
+    quote = next(iter(client.get(f"/api/v1/jobs/{job['metadata']['name']}/quotes")["items"]), None)
+    if quote is not None:
+        _quoted_vs_measured(quote, wall, wan / 1e9, billed)
+
+
+def _quoted_vs_measured(quote: dict[str, Any], wall: float, wan_gb: float, billed: Decimal) -> None:
+    """The accepted quote next to the run: how far the compute model was off (it learns from this run)."""
+    def ratio(measured: float, predicted: float) -> str:
+        return f"{measured / predicted:.2f}×" if predicted else "–"
+
+    price = float(quote["price"]["total"])
+    click.echo("  quoted → measured")
+    click.echo(f"    time            {quote['predictedSeconds']:.0f} s → {wall:.0f} s ({ratio(wall, quote['predictedSeconds'])})")
+    click.echo(f"    WAN             {quote['wanGB']:.4f} GB → {wan_gb:.4f} GB ({ratio(wan_gb, quote['wanGB'])})")
+    click.echo(f"    cost            {price:.2f} → {billed} USD ({ratio(float(billed), price)})")
+    click.echo("  (each finished run corrects later quotes: cpnctl get calibrations)")
 
 
 @click.command("demo")

@@ -80,6 +80,10 @@ def public(quote: QuoteRow) -> dict[str, Any]:
         "expiresAt": as_utc(quote.expires_at).isoformat(), "state": quote.state,
         "ring": quote.ring,
         **({"trains": quote.prediction["trains"]} if "trains" in (quote.prediction or {}) else {}),
+        # what finished runs taught the compute model (GET /api/v1/calibrations); factor 1: nothing yet
+        **({"model": {"stepFactor": round(quote.prediction["stepFactor"], 4),
+                      "startupSeconds": round(quote.prediction.get("startupSeconds", 0.0), 2)}}
+           if "stepFactor" in (quote.prediction or {}) else {}),
     }
 
 

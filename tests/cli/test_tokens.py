@@ -57,13 +57,14 @@ def test_whoami_list_never_shows_secret_and_revoke_takes_effect_at_once(live_ser
 
 
 def test_expiring_token(live_server) -> None:
-    token = live_server.cpn("token", "create", "bob", "--role", "user", "--expires-in", "3s")
+    created = time.monotonic()  # long enough for two CLI starts on a loaded machine (each can take seconds)
+    token = live_server.cpn("token", "create", "bob", "--role", "user", "--expires-in", "20s")
     assert "expires 20" in token.stderr
     bob = token.stdout.strip()
     assert _whoami(live_server, bob).returncode == 0  # valid now (and cached by the server)
     [row] = json.loads(live_server.cpn("token", "list", "--account", "bob", "-o", "json").stdout)
     assert row["state"] == "active" and row["expires"] is not None
-    time.sleep(3.5)
+    time.sleep(max(0.0, 20.5 - (time.monotonic() - created)))
     late = _whoami(live_server, bob)
     assert late.returncode == 1 and "token expired" in late.stderr
     [row] = json.loads(live_server.cpn("token", "list", "--account", "bob", "-o", "json").stdout)

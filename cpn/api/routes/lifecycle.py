@@ -23,7 +23,7 @@ from cpn.api.routes.system import REFRESH
 from cpn.core import errors
 from cpn.core.principal import Role
 from cpn.runtime.contract import AttemptSpec
-from layers.orchestration.lifecycle import agents, checkpoints, metering, views
+from layers.orchestration.lifecycle import agents, checkpoints, learning, metering, views
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
 from layers.service.contracts import contract_of
 from layers.service.jobs import TERMINAL, JobStore, load_job
@@ -229,6 +229,12 @@ async def top_sites(request: web.Request) -> web.Response:
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 
+async def get_calibrations(request: web.Request) -> web.Response:
+    async with request.app[state.DB].session() as s:
+        items = await learning.listing(s)
+    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
+
+
 async def top_links(request: web.Request) -> web.Response:
     async with request.app[state.DB].session() as s:
         items = await views.top_links(s, _heartbeat_timeout(request))
@@ -315,6 +321,9 @@ def setup(app: web.Application) -> None:
         (get_logs, RouteDoc("GET", "/api/v1/jobs/{name}/logs", "Worker logs (text; follow=1 streams)",
                             "TrainingJob", params=("name",), query=("site", "rank", "attempt", "tail", "follow"))),
         (top_sites, RouteDoc("GET", "/api/v1/top/sites", "Live per-site usage", "Site")),
+        (get_calibrations, RouteDoc("GET", "/api/v1/calibrations", "What finished runs taught the compute model: "
+                                    "per GPU model, strategy and workload, measured/predicted step time and "
+                                    "start-up seconds, used by later quotes", "Calibration")),
         (top_links, RouteDoc("GET", "/api/v1/top/links", "Live per-link use: running jobs spanning both ends",
                              "Link")),
     ]:

@@ -101,6 +101,12 @@ def register(registry: KindRegistry, timeouts: workflow.Timeouts, code_exists: C
                  Column("CLUSTER", "{spec.cluster}"), Column("GPUS", "{spec.gpus}"), Column("PHASE", "{status.phase}"),
                  AGE, Column("DRIVER", "{spec.driver}", wide=True))))
     registry.register(Kind(
+        kind="Calibration", plural="calibrations", short_names=("calibration", "cal"), manifest=None, store=None,
+        order=95, verbs=("list",), generic_routes=False,
+        columns=(Column("GPU MODEL", "{gpuModel}"), Column("STRATEGY", "{strategy}"), Column("WORKLOAD", "{workload}"),
+                 Column("STEP FACTOR", "{stepFactor}"), Column("STARTUP S", "{startupSeconds}"),
+                 Column("RUNS", "{samples}"), Column("LAST MEASURED/PREDICTED", "{lastRatio}"))))
+    registry.register(Kind(
         kind="Event", plural="events", short_names=("event", "ev"), manifest=None, store=None, order=90,
         verbs=("list",), generic_routes=False,
         columns=(Column("JOB", "{job}"), Column("TYPE", "{type}"), Column("REASON", "{reason}"),

@@ -7,7 +7,14 @@ from decimal import Decimal
 from typing import Any
 
 from layers.control.capacity import PoolOffer
-from layers.orchestration.planning.types import ClusterOffer, JobRequirements, ModelShape, Objective, WanLink
+from layers.orchestration.planning.types import (
+    ClusterOffer,
+    JobRequirements,
+    ModelShape,
+    Objective,
+    WanLink,
+    workload_of,
+)
 from layers.resource.capacity import LinkView
 from layers.service.schemas import TrainingJobSpec, deadline_seconds
 
@@ -24,7 +31,8 @@ def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequi
         gpu_models=frozenset(spec.gpus.models) or None, sites_min=spec.sites.min, sites_max=spec.sites.max,
         regions=frozenset(spec.placement.regions) or None, sites=frozenset(spec.placement.sites) or None,
         exclude_sites=frozenset(spec.placement.exclude_sites), deadline_seconds=deadline,
-        budget=Decimal(spec.budget) if spec.budget is not None else None, currency=spec.currency)
+        budget=Decimal(spec.budget) if spec.budget is not None else None, currency=spec.currency,
+        workload=workload_of(spec.code.digest if spec.code is not None else None))
 
 
 def objective(spec: TrainingJobSpec) -> Objective:
@@ -50,4 +58,5 @@ def prediction_dict(pred: Any) -> dict[str, Any]:
     return {"steps": pred.steps, "computeSecondsPerStep": pred.compute_seconds_per_step,
             "commSecondsPerStep": pred.comm_seconds_per_step, "stepSeconds": pred.step_seconds,
             "totalSeconds": pred.total_seconds, "wanBytes": pred.wan_bytes, "intraBytes": pred.intra_bytes,
-            "gpuSecondsByCluster": pred.gpu_seconds_by_cluster}
+            "gpuSecondsByCluster": pred.gpu_seconds_by_cluster, "stepFactor": pred.step_factor,
+            "startupSeconds": pred.startup_seconds}

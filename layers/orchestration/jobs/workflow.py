@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -17,6 +17,7 @@ from cpn.core.settings import Settings
 from layers.control import capacity
 from layers.orchestration.events import record_event
 from layers.orchestration.jobs.requirements import objective, planner_inputs, prediction_dict, requirements
+from layers.orchestration.lifecycle import learning
 from layers.orchestration.lifecycle.plan import attempt_plan, budget_note
 from layers.orchestration.planning import placement
 from layers.resource.capacity import inventory
@@ -87,7 +88,7 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
 async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeouts, now: datetime,
                         job_id: str | None = None) -> list[QuoteRow]:
     """Cheapest / fastest / balanced plans against live capacity, priced; the rows are not stored."""
-    req = requirements(spec, now)
+    req = replace(requirements(spec, now), learned=await learning.load(session))  # what finished runs taught
     pool_offers, links, _ = await capacity.snapshot(session, t.heartbeat, now)
     offers, wan = planner_inputs(pool_offers, links, spec.currency)
     plans = placement.quote_options(req, offers, wan, objective(spec), solver=solver_for(len(offers)))

@@ -73,3 +73,17 @@ class MetricRow(Tracked, Base):
     wall_seconds: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     wan_bytes: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     extra: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)  # the user's own (cpn.train)
+
+
+class CalibrationRow(Tracked, Base):
+    """What finished runs taught the compute model (see :mod:`layers.orchestration.lifecycle.learning`)."""
+
+    __tablename__ = "calibrations"
+
+    gpu_model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    strategy: Mapped[str] = mapped_column(String(16), primary_key=True)
+    workload: Mapped[str] = mapped_column(String(32), primary_key=True)  # lm | code:<digest prefix>
+    step_factor: Mapped[float] = mapped_column(Float, nullable=False)
+    startup_seconds: Mapped[float] = mapped_column(Float, nullable=False)
+    samples: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    last_ratio: Mapped[float | None] = mapped_column(Float, nullable=True)  # measured / predicted, last run

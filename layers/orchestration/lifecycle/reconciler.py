@@ -20,7 +20,7 @@ from cpn.core.phases import JOB_ACTIVE, SUBTASK_DONE
 from layers.control import leases
 from layers.orchestration.events import record_event
 from layers.orchestration.identity.tokens import revoke_job_tokens
-from layers.orchestration.lifecycle import metering
+from layers.orchestration.lifecycle import learning, metering
 from layers.orchestration.lifecycle.leader import Leadership
 from layers.orchestration.lifecycle.models import SubtaskRow
 from layers.orchestration.lifecycle.plan import ELASTIC, attempt_plan, budget_note, rank_offsets
@@ -269,6 +269,15 @@ class Reconciler:
             await metering.settle(s, job, contract)
         await metering.refresh_progress(s, job)
         _record_accuracy(job)
+        try:
+            lesson = await learning.learn(s, job)
+        except Exception:  # noqa: BLE001 - a calibration problem must not undo the job's end
+            log.exception("learning from job %s failed", job.name)
+        else:
+            if lesson is not None:
+                log.info("job %s taught %s/%s/%s: step factor %.3f, start-up %.1f s (%d run(s))", job.name,
+                         lesson.gpu_model, lesson.strategy, lesson.workload, lesson.step_factor,
+                         lesson.startup_seconds, lesson.samples)
         await record_event(s, job.name, "Normal" if phase == "Succeeded" else "Warning", phase,
                            f"{previous} → {phase}: {message} ({released} lease(s) released)")
 

@@ -190,8 +190,9 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
     comm, sent = site_comm(req, strategy, compute, site_gpus, intra_gbps_by_site(used, offers), wan_gbps, rtt_ms)
     steps = steps_for(req, strategy)
     comm = float(comm)
-    step = compute + comm
-    total = steps * step + STARTUP_SECONDS
+    factor, startup = _learned(req, strategy, used, offers)
+    step = (compute + comm) * factor
+    total = steps * step + startup
     egress = {hop: float(sent[hop[0]]) * steps for hop in ring_hops if sent.get(hop[0])}
     gpu_seconds: dict[str, float] = {}
     for a in used:
@@ -202,8 +203,25 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
         strategy=strategy, steps=steps, compute_seconds_per_step=compute, comm_seconds_per_step=comm,
         step_seconds=step, total_seconds=total, wan_bytes=sum(egress.values()),
         intra_bytes=_intra_bytes(req, site_gpus) * steps, gpu_seconds_by_cluster=gpu_seconds,
-        egress_bytes_by_link=egress, est_cost=cost,
+        egress_bytes_by_link=egress, est_cost=cost, step_factor=factor, startup_seconds=startup,
     )
+
+
+def _learned(req: JobRequirements, strategy: str, used: list[Assignment],
+             offers: dict[str, ClusterOffer]) -> tuple[float, float]:
+    """(step factor, start-up seconds) that finished runs of this GPU model (the placement's most
+    numerous), strategy and workload taught; before any, factor 1 and the start-up other runs on this
+    GPU model measured, else :data:`STARTUP_SECONDS`."""
+    gpus: dict[str, int] = {}
+    for a in used:
+        model = offers[a.cluster].gpu_model
+        gpus[model] = gpus.get(model, 0) + a.gpus
+    model = max(sorted(gpus), key=gpus.__getitem__)
+    lesson = req.learned.lookup(model, strategy, req.workload)
+    if lesson is not None:
+        return lesson.step_factor, lesson.startup_seconds
+    startup = req.learned.startup(model)
+    return 1.0, STARTUP_SECONDS if startup is None else startup
 
 
 def _wan(ring: list[str], index: dict[Key, WanLink]) -> tuple[float, float, list[Key]]:

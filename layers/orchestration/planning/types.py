@@ -45,6 +45,41 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class Lesson:
+    """What finished runs taught the compute model for one (GPU model, strategy, workload): their
+    measured training time over the model's prediction, and their measured start-up time."""
+
+    gpu_model: str
+    strategy: str
+    workload: str  # see workload_of
+    step_factor: float
+    startup_seconds: float
+    samples: int
+
+
+@dataclass(frozen=True)
+class Learned:
+    lessons: tuple[Lesson, ...] = ()
+
+    def lookup(self, gpu_model: str, strategy: str, workload: str) -> Lesson | None:
+        return next((x for x in self.lessons if (x.gpu_model, x.strategy, x.workload) == (gpu_model, strategy, workload)),
+                    None)
+
+    def startup(self, gpu_model: str) -> float | None:
+        """Start-up depends on the sites (driver, image, rendezvous), not on the model: any run on this
+        GPU model says it, weighted by how many runs each lesson holds."""
+        runs = [(x.startup_seconds, x.samples) for x in self.lessons if x.gpu_model == gpu_model and x.samples > 0]
+        total = sum(n for _, n in runs)
+        return sum(s * n for s, n in runs) / total if total else None
+
+
+def workload_of(code_digest: str | None) -> str:
+    """What a job runs, as far as its speed goes: ``lm`` (CPN's built-in model) or ``code:<digest>``
+    (a user's own code: one bundle's steps say nothing about another's)."""
+    return f"code:{code_digest.removeprefix('sha256:')[:16]}" if code_digest else "lm"
+
+
+@dataclass(frozen=True)
 class JobRequirements:
     model: ModelShape
     tokens: int
@@ -65,6 +100,8 @@ class JobRequirements:
     deadline_seconds: float | None = None
     budget: Decimal | None = None
     currency: str = "USD"
+    workload: str = "lm"  # workload_of(spec.code.digest): learned factors are kept per workload
+    learned: Learned = Learned()
 
 
 @dataclass(frozen=True)
@@ -96,6 +133,8 @@ class Prediction:
     gpu_seconds_by_cluster: dict[str, float] = field(default_factory=dict)
     egress_bytes_by_link: dict[tuple[str, str], float] = field(default_factory=dict)  # (from_site, to_site)
     est_cost: float = 0.0  # in the offers' currency; the service prices exactly with Decimals
+    step_factor: float = 1.0  # learned from finished runs (1: none yet); already in step/total seconds
+    startup_seconds: float = 0.0
 
 
 @dataclass
