@@ -45,7 +45,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PREFIX = "cpnw"
-SUBNET = "10.231.0"
+NET = "10.231"  # each emulator takes a free /24 of 10.231.0.0/16, so two on one machine never collide
 ENV_SITE_ADDRS = "CPN_SITE_ADDRS"
 ENV_SITE_ADDR = "CPN_SITE_ADDR"
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-s\d+$")
@@ -119,9 +119,10 @@ class WanEmulator:
         self.latency_ms = latency_ms
         tag = f"{os.getpid()}"
         self.bridge = f"{PREFIX}{tag}br"
+        self.subnet = _free_subnet()
         self.sites = [
             SiteNet(
-                i, f"{PREFIX}-{tag}-s{i}", f"{PREFIX}{tag}h{i}", f"{PREFIX}{tag}n{i}", f"{SUBNET}.{i + 1}"
+                i, f"{PREFIX}-{tag}-s{i}", f"{PREFIX}{tag}h{i}", f"{PREFIX}{tag}n{i}", f"{self.subnet}.{i + 1}"
             )
             for i in range(topology.num_sites)
         ]
@@ -328,7 +329,7 @@ class WanEmulator:
     @property
     def host_addr(self) -> str:
         """The root namespace's address on the emulated WAN (where a local API server listens)."""
-        return f"{SUBNET}.254"
+        return f"{self.subnet}.254"
 
     def wrap(self, site: int, argv: list[str]) -> list[str]:
         """Run ``argv`` inside the site's namespace."""
@@ -356,6 +357,20 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _free_subnet() -> str:
+    """A /24 of :data:`NET` no interface of this machine uses (starting from one the pid picks, so two
+    emulators started at once rarely even look at the same one)."""
+    try:
+        entries = json.loads(_run("ip", "-j", "addr", "show", check=False).stdout or "[]")
+    except (OSError, ValueError):
+        entries = []
+    used = {int(a["local"].split(".")[2]) for e in entries for a in e.get("addr_info", [])
+            if str(a.get("local", "")).startswith(NET + ".")}
+    start = os.getpid() % 250
+    third = next((n for n in ((start + k) % 250 for k in range(250)) if n not in used), start)
+    return f"{NET}.{third}"
 
 
 def list_objects() -> dict[str, list[str]]:

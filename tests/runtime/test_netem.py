@@ -138,3 +138,13 @@ def test_shaped_wan_is_really_slow(root, run_workers) -> None:
     """2 MiB between two single-rank sites at 40 Mbit/s: the bound is 2 MiB*8/40e6 = 0.42 s."""
     seconds = max(run_workers(2, 1, _timed_allreduce, 2, wan_mbps=40))
     assert 0.8 * 0.42 < seconds < 3.0
+
+
+def test_each_emulator_takes_a_free_subnet(monkeypatch) -> None:
+    """Two emulations on one machine (a demo beside a test run) must not share the bridge's /24."""
+    taken = [{"ifname": "cpnw1br", "addr_info": [{"local": f"10.231.{n}.254"}]} for n in range(250) if n != 77]
+    monkeypatch.setattr(netem, "_run", lambda *a, **k: subprocess.CompletedProcess(a, 0, json.dumps(taken), ""))
+    assert netem._free_subnet() == "10.231.77"
+    monkeypatch.setattr(netem.os, "getpid", lambda: 1005)
+    taken = [{"ifname": "cpnw9br", "addr_info": [{"local": "10.231.5.254"}, {"local": "10.231.6.1"}]}]
+    assert netem._free_subnet() == "10.231.7"  # starts from the pid's pick (1005 % 250 = 5), skips the used
