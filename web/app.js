@@ -151,6 +151,8 @@ async function api(path, { method = "GET", body } = {}) {
 }
 
 const enc = encodeURIComponent;
+/** A job as its owner calls it: references read "owner/name". */
+const jobName = (ref) => String(ref || "").split("/").pop();
 const API = {
   whoami: () => api("/api/v1/whoami"),
   topSites: () => api("/api/v1/top/sites"),
@@ -486,7 +488,9 @@ function jobRow(job) {
   const st = job.status || {};
   const prog = st.progress || {};
   const name = job.metadata.name;
-  return [el("a", { href: `#/jobs/${enc(name)}`, class: "name" }, name), fmt.when(job.metadata.creationTimestamp),
+  // NAMESPACE/NAME addresses one job even where an admin sees several users' jobs of that name
+  const ref = job.metadata.namespace ? `${job.metadata.namespace}/${name}` : name;
+  return [el("a", { href: `#/jobs/${enc(ref)}`, class: "name" }, name), fmt.when(job.metadata.creationTimestamp),
     badge(st.phase),
     el("div", { class: "util" }, bar(percentOf(st), `progress of ${name}`), el("span", {}, `${fmt.num(percentOf(st), 1)}%`)),
     fmt.loss(prog.loss), fmt.money(st.cost), st.strategy || job.spec.strategy, st.sites || "-"];
@@ -760,7 +764,7 @@ async function renderJob(main, name) {
     subtasks: el("div"), events: el("div"),
   };
   main.append(
-    el("div", { class: "row" }, el("h1", {}, el("span", { class: "name" }, `Job ${name}`), " ", phase), cancel),
+    el("div", { class: "row" }, el("h1", {}, el("span", { class: "name" }, `Job ${jobName(name)}`), " ", phase), cancel),
     parts.failure, parts.summary, parts.quotes,
     section("Progress", parts.progress),
     el("div", { class: "two" }, section("Loss vs tokens", parts.chart), section("Throughput (tokens/s)", parts.speed)),
@@ -993,13 +997,13 @@ async function renderBilling(main) {
       el("p", { class: "total" }, `${provider ? "Earned" : "Billed"} in total: ${grand.toFixed(2)} ${items[0].spec.currency || ""}`),
       ...items.map((inv) => {
         const cur = inv.spec.currency || "";
-        return section(`${inv.spec.job} — ${Number(inv.status.total).toFixed(2)} ${cur}`,
-          el("p", { class: "muted" }, provider ? null : el("a", { href: `#/jobs/${enc(inv.spec.job)}` }, `Open job ${inv.spec.job}`),
+        return section(`${jobName(inv.spec.job)} — ${Number(inv.status.total).toFixed(2)} ${cur}`,
+          el("p", { class: "muted" }, provider ? null : el("a", { href: `#/jobs/${enc(inv.spec.job)}` }, `Open job ${jobName(inv.spec.job)}`),
             ` contract ${inv.spec.contract || "-"}`),
           table(["Provider", "Cluster", "Item", "Quantity", "Unit price", "Amount"],
             inv.status.lines.map((l) => [l.provider, l.cluster, l.item, `${l.quantity} ${UNITS[l.item] || ""}`.trim(),
               `${l.unitPrice} ${cur}/${UNITS[l.item] || "unit"}`, `${Number(l.amount).toFixed(2)} ${cur}`]),
-            "No lines.", `Lines of ${inv.spec.job}`));
+            "No lines.", `Lines of ${jobName(inv.spec.job)}`));
       }));
   });
 }

@@ -54,6 +54,7 @@ ERROR_SCHEMA = {
 # document and the server cannot disagree. A parameter not listed here is a free string without NUL.
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$"
 _NAME = {"type": "string", "pattern": NAME_PATTERN, "maxLength": 63}
+JOB_REF_PATTERN = r"^(?:[a-z0-9](?:[-a-z0-9.]{0,61}[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$"
 _FLAG = {"type": "string", "enum": ["true", "false", "1", "0"]}
 _LABEL_KEY = r"(?:[a-z0-9.-]{1,253}/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _LABEL_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
@@ -69,7 +70,9 @@ QUERY: dict[str, dict[str, Any]] = {
                       "description": "Kubernetes label selector: a=b, a!=b, a in (x,y), a notin (x), a, !a"},
     "dryRun": {"type": "string", "pattern": "^(?:[tT][rR][uU][eE]|[fF][aA][lL][sS][eE]|[aA][lL][lL]|1|0|)$",
                "description": "true (or All): check and price, create nothing"},
-    "job": {**_NAME, "description": "Only this job's items"},
+    "job": {"type": "string", "pattern": JOB_REF_PATTERN, "maxLength": 127,
+            "description": "Only this job's items: NAME (yours) or NAMESPACE/NAME"},
+    "namespace": {**_NAME, "description": "Only this account's jobs (admins; a user has only their own)"},
     "cluster": {**_NAME, "description": "Only this cluster's items"},
     "site": {**_NAME, "description": "Only this site's items"},
     "watch": {**_FLAG, "description": "Long-poll until the cluster's sub-tasks change (needs cluster)"},

@@ -141,6 +141,9 @@ def load_yaml_all(text: str, source: str = "") -> list[Any]:
 
 class ObjectMeta(CamelModel):
     name: Name
+    namespace: Name | None = Field(default=None, description=(
+        "Namespaced kinds (TrainingJob): the owning account's name, so two users can each have a job "
+        "`lm`; defaults to the caller's. Cluster-wide kinds (sites, clusters, links) ignore it."))
     labels: Labels = Field(default_factory=dict)
     resource_version: str | None = None
     uid: str | None = None

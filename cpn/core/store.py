@@ -47,6 +47,22 @@ def is_retired(name: str) -> bool:
     return name.startswith(RETIRED)
 
 
+NS_SEP = "/"  # a namespaced object is stored under "<namespace>/<name>"; no name holds a '/'
+KEY_LEN = 127  # "<namespace>/<name>": two names of at most 63 characters
+SUBTASK_LEN = 200  # "<job key>-<cluster>"
+LAUNCH_KEY_LEN = 400  # "<job key>/<sub-task>/<attempt>"
+
+
+def qualify(namespace: str, name: str) -> str:
+    return f"{namespace}{NS_SEP}{name}"
+
+
+def split_key(key: str) -> tuple[str | None, str]:
+    """"alice/lm" → ("alice", "lm"); a cluster-wide name → (None, name)."""
+    namespace, sep, name = key.rpartition(NS_SEP)
+    return (namespace, name) if sep else (None, key)
+
+
 SELECTOR_HELP = ("a label selector is a comma-separated list of key=value, key!=value, key in (a,b), "
                  "key notin (a,b), key (exists) or !key (absent)")
 Term = tuple[str, str, frozenset[str] | None]
@@ -184,6 +200,15 @@ class ResourceStore:
     manifest: ClassVar[type[BaseModel]]
     create_roles: ClassVar[frozenset[Role]] = frozenset({Role.ADMIN})
     not_found_hides: ClassVar[bool] = False  # 404 instead of 403 for invisible objects
+    namespaced: ClassVar[bool] = False  # names are per owner (the owning account's name is the namespace)
+
+    # ---- names -------------------------------------------------------------------------
+    def key(self, principal: Principal, name: str, namespace: str | None = None) -> str:
+        """The stored name of what a caller calls `name`: a namespaced kind's bare name lives in the
+        caller's namespace (or `namespace`); "ns/name" names one in another namespace."""
+        if not self.namespaced or NS_SEP in name:
+            return name
+        return qualify(namespace or principal.name, name)
 
     # ---- hooks -------------------------------------------------------------------------
     async def prepare(self, session: AsyncSession, principal: Principal, obj: BaseModel,
@@ -213,20 +238,12 @@ class ResourceStore:
     # ---- reads -------------------------------------------------------------------------
     def to_manifest(self, principal: Principal, row: ResourceRow) -> dict[str, Any]:
         spec = self.redact(principal, row, copy.deepcopy(row.spec or {}))
-        return {
-            "apiVersion": "cpn/v1",
-            "kind": self.kind,
-            "metadata": {
-                "name": row.name,
-                "labels": row.labels or {},
-                "resourceVersion": str(row.resource_version),
-                "uid": row.id,
-                "creationTimestamp": as_utc(row.created_at).isoformat(),
-                "owner": row.owner_id,
-            },
-            "spec": spec,
-            "status": self.status_view(row),
-        }
+        namespace, name = split_key(row.name) if self.namespaced else (None, row.name)
+        meta = {"name": name, **({"namespace": namespace} if namespace else {}), "labels": row.labels or {},
+                "resourceVersion": str(row.resource_version), "uid": row.id,
+                "creationTimestamp": as_utc(row.created_at).isoformat(), "owner": row.owner_id}
+        return {"apiVersion": "cpn/v1", "kind": self.kind, "metadata": meta, "spec": spec,
+                "status": self.status_view(row)}
 
     async def find(self, session: AsyncSession, name: str, *, lock: bool = False) -> ResourceRow | None:
         if is_retired(name):
@@ -236,9 +253,24 @@ class ResourceStore:
             stmt = stmt.with_for_update()
         return (await session.execute(stmt)).scalar_one_or_none()
 
+    async def resolve(self, session: AsyncSession, principal: Principal, name: str,
+                      *, lock: bool = False) -> ResourceRow | None:
+        """The object a caller means by `name`. An admin's bare name that is not in the admin's own
+        namespace finds the one object of that name in any namespace (several: say which)."""
+        row = await self.find(session, self.key(principal, name), lock=lock)
+        if row is not None or not (self.namespaced and principal.is_admin) or NS_SEP in name or is_retired(name):
+            return row
+        keys = list((await session.execute(select(self.row.name).where(
+            self.row.name.endswith(f"{NS_SEP}{name}", autoescape=True)))).scalars())
+        if len(keys) > 1:
+            raise errors.InvalidInput(
+                f"{len(keys)} {self.kind} objects are named {name!r} ({', '.join(sorted(keys))}): "
+                "say which as NAMESPACE/NAME (cpnctl -n NAMESPACE)", field="metadata.name")
+        return await self.find(session, keys[0], lock=lock) if keys else None
+
     async def load(self, session: AsyncSession, principal: Principal, name: str,
                    *, lock: bool = False) -> ResourceRow:
-        row = await self.find(session, name, lock=lock)
+        row = await self.resolve(session, principal, name, lock=lock)
         if row is None or (self.not_found_hides and not self.visible(principal, row)):
             raise errors.NotFound(f"{self.kind} {name!r} not found")
         if not self.visible(principal, row):
@@ -281,10 +313,11 @@ class ResourceStore:
     async def create(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
         obj = self.parse(body)
         self.authorize_write(principal, None)
-        if await self.find(session, obj.metadata.name) is not None:
-            raise errors.AlreadyExists(f"{self.kind} {obj.metadata.name!r} already exists", field="metadata.name")
+        key = self.key(principal, obj.metadata.name, self.own_namespace(principal, obj))
+        if await self.find(session, key) is not None:
+            raise errors.AlreadyExists(f"{self.kind} {key!r} already exists", field="metadata.name")
         refs = await self.prepare(session, principal, obj, None)
-        row = self.row(name=obj.metadata.name, owner_id=principal.account_id)
+        row = self.row(name=key, owner_id=principal.account_id)
         self._fill(row, obj, refs)
         row.status = self.initial_status(obj)
         session.add(row)
@@ -294,11 +327,14 @@ class ResourceStore:
     async def replace(self, session: AsyncSession, principal: Principal, name: str, body: Any,
                       *, check_version: bool = True) -> dict[str, Any]:
         obj = self.parse(body)
-        if obj.metadata.name != name:
+        if obj.metadata.name != split_key(name)[1]:
             raise errors.InvalidInput(f"name {obj.metadata.name!r} does not match the URL's {name!r}",
                                       field="metadata.name")
         row = await self.load(session, principal, name, lock=True)
         self.authorize_write(principal, row)
+        if self.namespaced and obj.metadata.namespace not in (None, split_key(row.name)[0]):
+            raise errors.InvalidInput(f"namespace {obj.metadata.namespace!r} does not match the object's "
+                                      f"{split_key(row.name)[0]!r}", field="metadata.namespace")
         wanted = obj.metadata.resource_version
         if check_version and wanted is not None and wanted != str(row.resource_version):
             raise errors.StaleVersion(
@@ -314,7 +350,7 @@ class ResourceStore:
             raise errors.InvalidInput("a merge patch must be a JSON object")
         row = await self.load(session, principal, name)
         current = {"apiVersion": "cpn/v1", "kind": self.kind,
-                   "metadata": {"name": row.name, "labels": row.labels or {}},
+                   "metadata": {"name": split_key(row.name)[1], "labels": row.labels or {}},
                    "spec": copy.deepcopy(row.spec)}
         merged = merge_patch(current, {k: v for k, v in patch.items() if k != "status"})
         version = (patch.get("metadata") or {}).get("resourceVersion")
@@ -340,15 +376,24 @@ class ResourceStore:
 
     @staticmethod
     def retire(row: ResourceRow) -> None:
-        row.labels = {**(row.labels or {}), "cpn.io/retired-name": row.name}
+        row.labels = {**(row.labels or {}), "cpn.io/retired-name": split_key(row.name)[1]}
         row.name = f"{RETIRED}{row.id}"
 
     async def apply(self, session: AsyncSession, principal: Principal, body: Any) -> tuple[str, dict[str, Any]]:
         """Create or replace (kubectl apply); returns ("created"|"configured", manifest)."""
         obj = self.parse(body)
-        if await self.find(session, obj.metadata.name) is None:
+        key = self.key(principal, obj.metadata.name, self.own_namespace(principal, obj))
+        if await self.find(session, key) is None:
             return "created", await self.create(session, principal, body)
-        return "configured", await self.replace(session, principal, obj.metadata.name, body)
+        return "configured", await self.replace(session, principal, key, body)
+
+    def own_namespace(self, principal: Principal, obj: BaseModel) -> str | None:
+        """Objects are created in the caller's own namespace; naming another one is refused."""
+        namespace = getattr(obj.metadata, "namespace", None)
+        if self.namespaced and namespace not in (None, principal.name):
+            raise errors.Forbidden(f"{self.kind} objects are created in your own namespace {principal.name!r}, "
+                                   f"not {namespace!r}: leave metadata.namespace out", field="metadata.namespace")
+        return namespace
 
     def parse(self, body: Any) -> BaseModel:
         if isinstance(body, dict):

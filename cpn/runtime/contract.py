@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Mapping
 from typing import Any, Literal
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -113,7 +114,12 @@ class AttemptSpec(_Model):
 
     @property
     def metrics_url(self) -> str | None:
-        return f"{self.server.rstrip('/')}/api/v1/jobs/{self.job}/metrics" if self.server else None
+        return f"{self.server.rstrip('/')}{self.job_path}/metrics" if self.server else None
+
+    @property
+    def job_path(self) -> str:
+        """The job's API path; its name ("owner/name") is one quoted segment."""
+        return f"/api/v1/jobs/{quote(self.job, safe='')}"
 
     @property
     def leads_rendezvous(self) -> bool:

@@ -82,7 +82,7 @@ class Relay:
             self.pending.clear()
             return
         try:
-            self.client.post(f"/api/v1/jobs/{self.spec.job}/metrics", json={"reports": self.pending[:500]})
+            self.client.post(f"{self.spec.job_path}/metrics", json={"reports": self.pending[:500]})
         except httpx.HTTPError as exc:  # the API may be restarting: keep and retry
             print(f"metrics relay: {exc}", file=sys.stderr, flush=True)
             self.pending = self.pending[-5000:]
@@ -101,7 +101,7 @@ class CheckpointSync:
     sent: set[str] = field(default_factory=set)
 
     def _base(self) -> str:
-        return f"/api/v1/jobs/{self.spec.job}/checkpoints"
+        return f"{self.spec.job_path}/checkpoints"
 
     def fetch(self) -> int | None:
         """Download the newest complete checkpoint into `root`; its step, or None if there is none."""
@@ -191,7 +191,7 @@ def push_final(spec: AttemptSpec, run_dir: Path, client: httpx.Client | None) ->
     if client is None or not spec.leads_rendezvous or not path.exists():
         return False
     with path.open("rb") as fh:
-        client.put(f"/api/v1/jobs/{spec.job}/final", content=fh).raise_for_status()
+        client.put(f"{spec.job_path}/final", content=fh).raise_for_status()
     return True
 
 

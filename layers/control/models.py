@@ -8,6 +8,7 @@ from sqlalchemy import DateTime, ForeignKey, Index, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cpn.core.db import Base, Tracked, new_uid
+from cpn.core.store import KEY_LEN, SUBTASK_LEN
 
 
 class LeaseRow(Tracked, Base):
@@ -15,8 +16,8 @@ class LeaseRow(Tracked, Base):
     __table_args__ = (Index("ix_leases_cluster_state", "cluster_id", "state"),)
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uid)
-    job: Mapped[str] = mapped_column(String(63), index=True, nullable=False)
-    subtask: Mapped[str] = mapped_column(String(130), nullable=False)
+    job: Mapped[str] = mapped_column(String(KEY_LEN), index=True, nullable=False)
+    subtask: Mapped[str] = mapped_column(String(SUBTASK_LEN), nullable=False)
     contract_id: Mapped[str | None] = mapped_column(String(36), nullable=True, index=True)
     cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="RESTRICT"), nullable=False)
     cluster: Mapped[str] = mapped_column(String(63), nullable=False)

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cpn.core.db import Base, Tracked, as_utc, new_uid, utcnow
+from cpn.core.store import KEY_LEN, SUBTASK_LEN
 
 
 class EventRow(Tracked, Base):
@@ -17,8 +18,8 @@ class EventRow(Tracked, Base):
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uid)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
-    job: Mapped[str] = mapped_column(String(63), index=True, nullable=False)
-    subtask: Mapped[str | None] = mapped_column(String(130), nullable=True)
+    job: Mapped[str] = mapped_column(String(KEY_LEN), index=True, nullable=False)
+    subtask: Mapped[str | None] = mapped_column(String(SUBTASK_LEN), nullable=True)
     type: Mapped[str] = mapped_column(String(16), nullable=False)  # Normal | Warning
     reason: Mapped[str] = mapped_column(String(63), nullable=False)
     message: Mapped[str] = mapped_column(Text, nullable=False)

@@ -16,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core.principal import Principal, Role
+from cpn.core.store import split_key
 from layers.service.models import ContractRow, LedgerEntry
 
 CENT = Decimal("0.01")
@@ -117,6 +118,6 @@ def _invoice(contract_id: str, items: list[LedgerEntry], contract: ContractRow |
         status["contractState"] = contract.state
         status["quotedTotal"] = str(to_cent(Decimal(contract.quoted_total)))
     return {"apiVersion": "cpn/v1", "kind": "Invoice" if not provider_view else "Payout",
-            "metadata": {"name": f"{job}-{contract_id[:8]}"},
+            "metadata": {"name": f"{split_key(job)[1]}-{contract_id[:8]}"},
             "spec": {"job": job, "contract": contract_id, "currency": currency},
             "status": status}

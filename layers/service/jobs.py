@@ -12,7 +12,7 @@ from cpn.core import errors
 from cpn.core.manifest import set_condition
 from cpn.core.phases import JOB_DRAFT, JOB_TERMINAL, JobPhase
 from cpn.core.principal import Principal, Role
-from cpn.core.store import ResourceRow, ResourceStore, is_retired
+from cpn.core.store import ResourceRow, ResourceStore, is_retired, qualify, split_key
 from layers.service.models import ContractRow, JobRow
 from layers.service.schemas import TrainingJobManifest
 from layers.service.status import validated
@@ -27,6 +27,7 @@ class JobStore(ResourceStore):
     manifest = TrainingJobManifest
     create_roles: ClassVar[frozenset[Role]] = frozenset({Role.USER, Role.ADMIN})
     not_found_hides = True
+    namespaced = True  # stored as "<account>/<name>": each user has their own job names
 
     def visible(self, principal: Principal, row: ResourceRow) -> bool:
         return principal.owns(row.owner_id) or (principal.role is Role.WORKER and principal.job == row.name)
@@ -60,6 +61,8 @@ class JobStore(ResourceStore):
             stmt = stmt.where(JobRow.owner_id == principal.account_id)
         if "phase" in filters:
             stmt = stmt.where(JobRow.phase == filters["phase"])
+        if filters.get("namespace"):
+            stmt = stmt.where(JobRow.name.startswith(qualify(filters["namespace"], ""), autoescape=True))
         return stmt
 
 
@@ -73,10 +76,30 @@ async def find_job(session: AsyncSession, name: str, *, lock: bool = False) -> J
 
 
 async def load_job(session: AsyncSession, principal: Principal, name: str, *, lock: bool = False) -> JobRow:
-    row = await find_job(session, name, lock=lock)
+    """The job `name` (bare: the caller's own; "ns/name": another namespace's, if the caller may see it)."""
+    row = await JobStore().resolve(session, principal, name, lock=lock)
     if row is None or not JobStore().visible(principal, row):
         raise errors.NotFound(f"TrainingJob {name!r} not found")
-    return row
+    return row  # type: ignore[return-value]
+
+
+async def job_key(session: AsyncSession, principal: Principal, name: str | None) -> str | None:
+    """The stored name a `?job=` filter means (a job the caller cannot see filters to nothing)."""
+    if not name:
+        return name
+    row = await JobStore().resolve(session, principal, name)
+    return row.name if row is not None else JobStore().key(principal, name)
+
+
+async def owned_keys(session: AsyncSession, principal: Principal) -> list[str]:
+    """The stored names of the caller's own jobs."""
+    stmt = select(JobRow.name).where(JobRow.owner_id == principal.account_id, JobRow.name.not_like("~%"))
+    return list((await session.execute(stmt)).scalars())
+
+
+def display_name(key: str) -> str:
+    """A job's name as its owner knows it ("alice/lm" → "lm")."""
+    return split_key(key)[1]
 
 
 def set_phase(row: JobRow, phase: JobPhase | str, reason: str, message: str, now: datetime | None = None) -> str:

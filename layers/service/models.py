@@ -10,7 +10,7 @@ from sqlalchemy import DateTime, Float, ForeignKey, Numeric, String, UniqueConst
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cpn.core.db import Base, JSONType, Tracked, new_uid, utcnow
-from cpn.core.store import ResourceRow
+from cpn.core.store import KEY_LEN, ResourceRow
 
 MONEY = Numeric(18, 6)
 
@@ -19,6 +19,7 @@ class JobRow(ResourceRow, Base):
     __tablename__ = "jobs"
     __table_args__ = (UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idem"),)
 
+    name: Mapped[str] = mapped_column(String(KEY_LEN), unique=True, nullable=False)  # "<owner>/<name>"
     phase: Mapped[str] = mapped_column(String(16), nullable=False, default="Pending", index=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
 
@@ -47,7 +48,7 @@ class ContractRow(Tracked, Base):
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uid)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
-    job: Mapped[str] = mapped_column(String(63), nullable=False)
+    job: Mapped[str] = mapped_column(String(KEY_LEN), nullable=False)
     quote_id: Mapped[str] = mapped_column(ForeignKey("quotes.id", ondelete="RESTRICT"), nullable=False)
     account_id: Mapped[str] = mapped_column(String(36), nullable=False, index=True)
     quoted_total: Mapped[Decimal] = mapped_column(MONEY, nullable=False)
@@ -63,7 +64,7 @@ class LedgerEntry(Tracked, Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uid)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
     contract_id: Mapped[str] = mapped_column(ForeignKey("contracts.id", ondelete="RESTRICT"), index=True)
-    job: Mapped[str] = mapped_column(String(63), nullable=False, index=True)
+    job: Mapped[str] = mapped_column(String(KEY_LEN), nullable=False, index=True)
     account_id: Mapped[str] = mapped_column(String(36), nullable=False, index=True)
     provider: Mapped[str] = mapped_column(String(63), nullable=False)
     provider_account_id: Mapped[str] = mapped_column(String(36), nullable=False, index=True)

@@ -14,9 +14,9 @@ from tests.layers.orchestration.test_reconciler import _accept, _reconciler, _wo
 
 async def _finish(db, name: str) -> None:  # type: ignore[no-untyped-def]
     async with db.session() as s:
-        job = (await s.execute(select(JobRow).where(JobRow.name == name))).scalar_one()
+        job = (await s.execute(select(JobRow).where(JobRow.name == f"alice/{name}"))).scalar_one()
         job.phase = "Succeeded"
-        for lease in (await s.execute(select(LeaseRow).where(LeaseRow.job == name))).scalars():
+        for lease in (await s.execute(select(LeaseRow).where(LeaseRow.job == f"alice/{name}"))).scalars():
             lease.state = "released"
 
 
@@ -37,7 +37,7 @@ async def test_a_finished_job_is_deleted_its_bill_stays_and_its_name_is_free(api
         contract = (await s.execute(select(ContractRow))).scalar_one()
         retired = (await s.execute(select(JobRow).where(JobRow.id == contract.job_id))).scalar_one()
         assert retired.name == f"{RETIRED}{retired.id}" and retired.labels["cpn.io/retired-name"] == "lm"
-        assert not list((await s.execute(select(SubtaskRow).where(SubtaskRow.job == "lm"))).scalars())
+        assert not list((await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/lm"))).scalars())
     assert (await api.client.get("/api/v1/events?job=lm", headers=api.auth("alice"))).status == 404
     invoices = await (await api.client.get("/api/v1/invoices?job=lm", headers=api.auth("alice"))).json()
     assert len(invoices["items"]) == 1  # the contract's invoice outlives the job
@@ -54,10 +54,10 @@ async def test_clusters_and_sites_are_retired_and_blocked_deletes_say_why(api, d
     await _world(api)
     await _accept(api, "busy", strategy="ddp")
     async with db.session() as s:
-        held = (await s.execute(select(LeaseRow.cluster).where(LeaseRow.job == "busy"))).scalar_one()
+        held = (await s.execute(select(LeaseRow.cluster).where(LeaseRow.job == "alice/busy"))).scalar_one()
     owner = "prov-a" if held in ("fra-1-cpu", "ams-1-cpu") else "prov-b"
     blocked = await api.client.delete(f"/api/v1/clusters/{held}", headers=api.auth(owner))
-    assert blocked.status == 409 and "leased by job(s) busy" in (await blocked.json())["error"]["message"]
+    assert blocked.status == 409 and "leased by job(s) alice/busy" in (await blocked.json())["error"]["message"]
     site = held.removesuffix("-cpu")
     in_use = await api.client.delete(f"/api/v1/sites/{site}", headers=api.auth(owner))
     assert in_use.status == 409 and f"cluster(s) {held}" in (await in_use.json())["error"]["message"]

@@ -22,17 +22,17 @@ async def _running(api, db, name: str, launched_ago: float = 0.0) -> SubtaskRow:
     await _accept(api, name, strategy="ddp")
     await _reconciler(db, 3600).reconcile_once()
     async with db.session() as s:
-        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == name))).scalar_one()
+        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == f"alice/{name}"))).scalar_one()
         row.phase = row.reported = "Running"
         row.launched_at = datetime.now(UTC) - timedelta(seconds=launched_ago)
-        job = (await s.execute(select(JobRow).where(JobRow.name == name))).scalar_one()
+        job = (await s.execute(select(JobRow).where(JobRow.name == f"alice/{name}"))).scalar_one()
         job.phase = "Running"
     return row
 
 
 async def _report(db, name: str, t: SubtaskRow, seconds: float) -> None:  # type: ignore[no-untyped-def]
     async with db.session() as s:
-        job = (await s.execute(select(JobRow).where(JobRow.name == name).with_for_update())).scalar_one()
+        job = (await s.execute(select(JobRow).where(JobRow.name == f"alice/{name}").with_for_update())).scalar_one()
         await metering.ingest(s, job, await contract_of(s, job),
                               [{"rank": t.first_rank, "site": t.site_index, "step": 1, "wallSeconds": seconds}])
 
@@ -52,7 +52,7 @@ async def test_many_small_reports_add_up_to_one_rounding(api, db) -> None:  # ty
     for i in range(1, reports + 1):
         await _report(db, "tiny-bill", t, step * i)
     async with db.session() as s:
-        rows = list((await s.execute(select(LedgerEntry).where(LedgerEntry.job == "tiny-bill"))).scalars())
+        rows = list((await s.execute(select(LedgerEntry).where(LedgerEntry.job == "alice/tiny-bill"))).scalars())
     price = Decimal(rows[0].unit_price)
     exact = Decimal(repr(step * reports)) / Decimal(3600) * price
     # one entry per report at 1e-6 each would drift by up to 0.5e-6 per entry; the running total does not
@@ -112,10 +112,10 @@ async def test_progress_follows_the_newest_count_whichever_rank_reports_it(api, 
     await _world(api)
     await _running(api, db, "gossipy")
     async with db.session() as s:
-        job = (await s.execute(select(JobRow).where(JobRow.name == "gossipy"))).scalar_one()
+        job = (await s.execute(select(JobRow).where(JobRow.name == "alice/gossipy"))).scalar_one()
         total = int(job.status["train"]["tokens"])
         for rank, tokens in ((0, total - 7168), (1, total + 1024), (2, total)):
-            s.add(MetricRow(job="gossipy", attempt=1, rank=rank, site=rank, step=10, tokens=tokens,
+            s.add(MetricRow(job="alice/gossipy", attempt=1, rank=rank, site=rank, step=10, tokens=tokens,
                             tokens_per_second=100.0))
         await s.flush()
         await metering.refresh_progress(s, job)

@@ -163,3 +163,27 @@ def test_serve_logs_its_address(live_server, tmp_path) -> None:  # type: ignore[
     port = live_server.url.rsplit(":", 1)[1]
     log = (tmp_path / f"server-{port}.log").read_text()
     assert f"CPN API serving on http://127.0.0.1:{port}" in log, log[-2000:]
+
+
+def test_two_users_each_have_a_job_of_the_same_name(hour) -> None:  # type: ignore[no-untyped-def]
+    example = str(EXAMPLES[0].parent / "auto.yaml")
+    bob = hour.token("bob", "user")
+    assert hour.cpnctl("apply", "-f", example).returncode == 0
+    out = hour.cpnctl("--token", bob, "apply", "-f", example)
+    assert out.returncode == 0 and "trainingjob/first-job created" in out.stdout, out.stderr
+    admin = ("--token", hour.token("root", "admin"))
+    table = hour.cpnctl(*admin, "get", "jobs").stdout.splitlines()
+    assert table[0].split()[:2] == ["NAMESPACE", "NAME"]
+    assert sorted(line.split()[0] for line in table[1:]) == ["alice", "bob"]
+    ambiguous = hour.cpnctl(*admin, "get", "job", "first-job")
+    assert ambiguous.returncode == 1 and len(ambiguous.stderr.strip().splitlines()) == 1
+    assert "alice/first-job" in ambiguous.stderr and "-n NAMESPACE" in ambiguous.stderr
+    for args in (("-n", "bob", "get", "job", "first-job"), ("get", "job", "bob/first-job")):
+        got = hour.cpnctl(*admin, *args, "-o", "json")
+        assert got.returncode == 0, got.stderr
+        assert json.loads(got.stdout)["metadata"]["namespace"] == "bob"
+    assert "recommended" in hour.cpnctl(*admin, "-n", "bob", "get", "quotes", "first-job").stdout
+    cancelled = hour.cpnctl(*admin, "cancel", "bob/first-job")
+    assert cancelled.returncode == 0, cancelled.stderr
+    mine = json.loads(hour.cpnctl("get", "job", "first-job", "-o", "json").stdout)  # alice's is untouched
+    assert mine["status"]["phase"] == "Quoted" and mine["metadata"]["namespace"] == "alice"

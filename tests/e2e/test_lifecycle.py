@@ -104,7 +104,8 @@ class World:
         return [m["valLoss"] for m in items if m["valLoss"] is not None and m["rank"] == 0][-1]
 
     def run_dirs(self, name: str, cluster: str) -> list[Path]:
-        return sorted((self.sites.state_root / cluster / "runs").glob(f"{name}.*/attempt-*/*"))
+        # an agent keeps a job's runs in "<owner>_<name>.<uid>"
+        return sorted((self.sites.state_root / cluster / "runs").glob(f"*_{name}.*/attempt-*/*"))
 
     def status(self, name: str, cluster: str, attempt: int = 1) -> dict:
         directory = next(d for d in self.run_dirs(name, cluster) if d.parent.name == f"attempt-{attempt}")

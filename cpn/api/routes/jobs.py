@@ -15,7 +15,7 @@ from layers.orchestration.events import list_events
 from layers.orchestration.jobs.workflow import Timeouts, accept_quote
 from layers.service import billing
 from layers.service import quotes as quotes_mod
-from layers.service.jobs import JobStore, load_job
+from layers.service.jobs import JobStore, display_name, job_key, load_job, owned_keys
 from layers.service.schemas import AcceptRequest, QuotePublic, TrainingJobManifest
 
 TIMEOUTS = web.AppKey("timeouts", Timeouts)
@@ -40,7 +40,7 @@ async def post_accept(request: web.Request) -> web.Response:
 async def get_reservations(request: web.Request) -> web.Response:
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        rows = await leases.visible(s, principal, job=request.query.get("job"))
+        rows = await leases.visible(s, principal, job=await job_key(s, principal, request.query.get("job")))
     items = [{"apiVersion": "cpn/v1", "kind": "Reservation",
               "metadata": {"name": r.id[:8], "uid": r.id, "creationTimestamp": as_utc(r.created_at).isoformat()},
               "spec": {"job": r.job, "subtask": r.subtask, "cluster": r.cluster, "gpus": r.gpus,
@@ -53,7 +53,7 @@ async def get_reservations(request: web.Request) -> web.Response:
 async def get_invoices(request: web.Request) -> web.Response:
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        items = await billing.invoice_list(s, principal, job=request.query.get("job"))
+        items = await billing.invoice_list(s, principal, job=await job_key(s, principal, request.query.get("job")))
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 
@@ -62,16 +62,14 @@ async def get_events(request: web.Request) -> web.Response:
     job = request.query.get("job")
     async with request.app[state.DB].session() as s:
         if job:
-            await load_job(s, principal, job)
-            jobs: list[str] | None = [job]
+            jobs: list[str] | None = [(await load_job(s, principal, job)).name]
         elif principal.is_admin:
             jobs = None
         else:
-            visible, _ = await JobStore().list(s, principal)
-            jobs = [j["metadata"]["name"] for j in visible]
+            jobs = await owned_keys(s, principal)
         items = await list_events(s, jobs)
     for i, item in enumerate(items):
-        item["metadata"] = {"name": f"{item['job']}.{i}"}
+        item["metadata"] = {"name": f"{display_name(item['job'])}.{i}"}
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 

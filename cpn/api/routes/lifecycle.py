@@ -26,7 +26,7 @@ from cpn.runtime.contract import AttemptSpec
 from layers.orchestration.lifecycle import agents, checkpoints, learning, metering, views
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
 from layers.service.contracts import contract_of
-from layers.service.jobs import TERMINAL, JobStore, load_job
+from layers.service.jobs import TERMINAL, JobStore, job_key, load_job
 
 RECONCILER = web.AppKey("reconciler", Reconciler)
 BLOBS = state.BLOBS
@@ -77,7 +77,7 @@ async def list_subtasks(request: web.Request) -> web.Response:
     db = request.app[state.DB]
     while True:
         async with db.session() as s:
-            rows = await agents.visible(s, principal, cluster=cluster, job=job,
+            rows = await agents.visible(s, principal, cluster=cluster, job=await job_key(s, principal, job),
                                         active=request.query.get("active") in ("1", "true") or watch)
             version = await agents.version(s, cluster) if cluster else ""
         if not watch or version != since or time.monotonic() >= deadline:

@@ -115,7 +115,8 @@ def register_kind(app: web.Application, kind: Kind) -> None:
     coll, item = kind.path, f"{kind.path}/{{name}}"
     model = kind.manifest
     specs = {
-        "list": ("GET", coll, f"List {kind.plural}", None, True, (), ("labelSelector", "limit", "continue")),
+        "list": ("GET", coll, f"List {kind.plural}", None, True, (),
+                 ("labelSelector", "limit", "continue", *(("namespace",) if getattr(kind.store, "namespaced", False) else ()))),
         "create": ("POST", coll, f"Create a {kind.kind}", model, False, (),
                    ("dryRun",) if hasattr(kind.store, "preview") else ()),
         "get": ("GET", item, f"Read a {kind.kind}", None, False, ("name",), ()),

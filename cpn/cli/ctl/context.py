@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import click
 
@@ -16,6 +17,7 @@ class Ctx:
     server: str | None
     token: str | None
     context: str | None
+    namespace: str | None = None
     _client: Client | None = None
     _kinds: list[dict[str, Any]] | None = field(default=None)
 
@@ -25,6 +27,16 @@ class Ctx:
             target = config.resolve(self.server, self.token, self.context)
             self._client = Client(target.server or "", target.token)
         return self._client
+
+    def qualified(self, name: str | None) -> str | None:
+        """A job's name as the server reads it: NAMESPACE/NAME under -n, else as given."""
+        if not name or not self.namespace or "/" in name:
+            return name
+        return f"{self.namespace}/{name}"
+
+    def ref(self, name: str) -> str:
+        """`name` as one URL path segment ("alice/lm" → "alice%2Flm")."""
+        return quote(self.qualified(name) or "", safe="")
 
     def kinds(self) -> list[dict[str, Any]]:
         if self._kinds is None:

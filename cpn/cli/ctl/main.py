@@ -17,10 +17,13 @@ from cpn.client import ApiError
 @click.option("--server", envvar=None, default=None, help="API server URL (overrides CPN_SERVER and the context).")
 @click.option("--token", default=None, help="Bearer token (overrides CPN_TOKEN and the context).")
 @click.option("--context", "context_name", default=None, help="Use this context from ~/.cpn/config.")
+@click.option("-n", "--namespace", default=None,
+              help="Jobs of this account (admins; users have only their own). Same as NAMESPACE/NAME.")
 @click.pass_context
-def cli(ctx: click.Context, server: str | None, token: str | None, context_name: str | None) -> None:
+def cli(ctx: click.Context, server: str | None, token: str | None, context_name: str | None,
+        namespace: str | None) -> None:
     """cpnctl controls a CPN compute network (kubectl-style)."""
-    ctx.obj = Ctx(server=server, token=token, context=context_name)
+    ctx.obj = Ctx(server=server, token=token, context=context_name, namespace=namespace)
 
 
 def main() -> None:

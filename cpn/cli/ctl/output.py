@@ -60,6 +60,9 @@ def table(items: list[dict[str, Any]], columns: list[dict[str, Any]], wide: bool
     cols = [c for c in columns if wide or not c.get("wide")]
     header = ["NAME", *[c["name"] for c in cols]]
     rows = [[str(dig(it, "metadata.name") or "-"), *[render_cell(it, c) for c in cols]] for it in items]
+    namespaces = [str(dig(it, "metadata.namespace") or "") for it in items]
+    if len(set(namespaces)) > 1:  # an admin's view of several accounts' jobs: say whose each is
+        header, rows = ["NAMESPACE", *header], [[ns or "-", *row] for ns, row in zip(namespaces, rows, strict=True)]
     return format_rows(header, rows)
 
 

@@ -8,6 +8,7 @@ from sqlalchemy import Boolean, DateTime, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cpn.core.db import Base, Tracked, new_uid, utcnow
+from cpn.core.store import KEY_LEN
 
 
 class Account(Tracked, Base):
@@ -27,7 +28,7 @@ class Token(Tracked, Base):
     name: Mapped[str] = mapped_column(String(63), nullable=False)
     lookup: Mapped[str] = mapped_column(String(32), unique=True, nullable=False)
     secret_hash: Mapped[str] = mapped_column(Text, nullable=False)
-    job: Mapped[str | None] = mapped_column(String(63), nullable=True, index=True)
+    job: Mapped[str | None] = mapped_column(String(KEY_LEN), nullable=True, index=True)
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False, nullable=False)
 

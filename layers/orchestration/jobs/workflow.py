@@ -141,7 +141,7 @@ async def preview(session: AsyncSession, principal: Principal, body: Any, t: Tim
     obj = store.parse(body)
     store.authorize_write(principal, None)
     name = obj.metadata.name
-    existing = await store.find(session, name)
+    existing = await store.find(session, store.key(principal, name, store.own_namespace(principal, obj)))
     draft = existing is not None and existing.owner_id == principal.account_id and existing.phase in DRAFT_PHASES
     if existing is not None and not draft:
         raise errors.AlreadyExists(f"TrainingJob {name!r} already exists and is no longer a draft; pick "
@@ -163,7 +163,7 @@ async def accept_quote(db: Database, principal: Principal, job_name: str, ref: s
             result = await accept(session, principal, job_name, ref, heartbeat_timeout=t.heartbeat,
                                   lease_ttl=t.lease_ttl)
             await check_runnable(session, result, t)  # raising rolls the accept back: nothing is half-written
-            await record_event(session, job_name, "Normal", "Reserved",
+            await record_event(session, result.job.name, "Normal", "Reserved",
                                f"Quoted → Accepted → Reserved with quote {result.quote.label}: "
                                + ", ".join(f"{lease.gpus}×{lease.cluster}" for lease in result.leases))
             return result

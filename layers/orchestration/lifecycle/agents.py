@@ -24,7 +24,7 @@ from layers.orchestration.identity.tokens import issue_token
 from layers.orchestration.lifecycle.models import LogRow, SubtaskRow
 from layers.orchestration.lifecycle.plan import ELASTIC
 from layers.resource.models import ClusterRow
-from layers.service.jobs import find_job
+from layers.service.jobs import display_name, find_job
 from layers.service.models import JobRow
 
 REPORTABLE = tuple(p.value for p in SubtaskPhase if p is not SubtaskPhase.PENDING)  # Pending is the server's
@@ -149,7 +149,7 @@ async def claim(s: AsyncSession, principal: Principal, uid: str, body: ClaimRequ
         t.phase, t.launches, t.claimed_at = "Launching", t.launches + 1, datetime.now(UTC)
         t.launched_at = t.claimed_at
     owner = (await s.execute(select(Account).where(Account.id == job.owner_id))).scalar_one()
-    token = await issue_token(s, owner, f"worker-{job.name}-{t.attempt}", job=job.name)
+    token = await issue_token(s, owner, f"worker-{display_name(job.name)}-{t.attempt}"[:63], job=job.name)
     return contract(job, t, rendezvous, token)
 
 

@@ -9,16 +9,17 @@ from sqlalchemy import DateTime, Float, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cpn.core.db import Base, JSONType, Tracked, new_uid, utcnow
+from cpn.core.store import KEY_LEN, LAUNCH_KEY_LEN, SUBTASK_LEN
 
 
 class SubtaskRow(Tracked, Base):
     __tablename__ = "subtasks"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uid)
-    job: Mapped[str] = mapped_column(String(63), index=True, nullable=False)
-    name: Mapped[str] = mapped_column(String(130), nullable=False)
+    job: Mapped[str] = mapped_column(String(KEY_LEN), index=True, nullable=False)
+    name: Mapped[str] = mapped_column(String(SUBTASK_LEN), nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False)
-    launch_key: Mapped[str] = mapped_column(String(220), unique=True, nullable=False)
+    launch_key: Mapped[str] = mapped_column(String(LAUNCH_KEY_LEN), unique=True, nullable=False)
     cluster: Mapped[str] = mapped_column(String(63), nullable=False, index=True)
     site: Mapped[str] = mapped_column(String(63), nullable=False)
     site_index: Mapped[int] = mapped_column(Integer, nullable=False)
@@ -47,9 +48,9 @@ class LogRow(Tracked, Base):
     __table_args__ = (Index("ix_subtask_logs_job_attempt", "job", "attempt", "id"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    job: Mapped[str] = mapped_column(String(63), nullable=False)
+    job: Mapped[str] = mapped_column(String(KEY_LEN), nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False)
-    subtask: Mapped[str] = mapped_column(String(130), nullable=False)
+    subtask: Mapped[str] = mapped_column(String(SUBTASK_LEN), nullable=False)
     site: Mapped[str] = mapped_column(String(63), nullable=False)
     rank: Mapped[int] = mapped_column(Integer, nullable=False)
     line: Mapped[str] = mapped_column(Text, nullable=False)
@@ -61,7 +62,7 @@ class MetricRow(Tracked, Base):
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_uid)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
-    job: Mapped[str] = mapped_column(String(63), index=True, nullable=False)
+    job: Mapped[str] = mapped_column(String(KEY_LEN), index=True, nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False)
     rank: Mapped[int] = mapped_column(Integer, nullable=False)
     site: Mapped[int] = mapped_column(Integer, nullable=False)

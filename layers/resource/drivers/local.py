@@ -29,7 +29,8 @@ MAX_LOG_BYTES = 256 * 1024  # per poll and rank: a chatty worker cannot flood th
 
 def run_dir(state_dir: Path, spec: AttemptSpec) -> Path:
     folder = f"{spec.job}.{spec.job_uid[:8]}" if spec.job_uid else spec.job  # one folder per job, not per name
-    return state_dir / "runs" / folder / f"attempt-{spec.attempt}" / spec.subtask
+    # a job's name is "owner/name": one folder level each, as the agents' globs over runs/ expect
+    return state_dir / "runs" / folder.replace("/", "_") / f"attempt-{spec.attempt}" / spec.subtask.replace("/", "_")
 
 
 def pid_alive(pid: int) -> bool:

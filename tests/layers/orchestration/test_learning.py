@@ -24,7 +24,7 @@ async def _finish_as_measured(db, name: str, startup: float, train: float | None
     and trained for `train` s (None: three times the model's prediction); returns that prediction."""
     reconciler = _reconciler(db, 3600)
     async with db.session() as s:
-        job = (await s.execute(select(JobRow).where(JobRow.name == name))).scalar_one()
+        job = (await s.execute(select(JobRow).where(JobRow.name == f"alice/{name}"))).scalar_one()
         quote = await s.get(QuoteRow, job.status["quote"])
         raw = quote.prediction["steps"] * quote.prediction["stepSeconds"] / quote.prediction["stepFactor"]
         running = datetime.now(UTC) - timedelta(seconds=3 * raw if train is None else train)

@@ -43,7 +43,7 @@ async def _accept(api, name: str, **spec: object) -> None:  # type: ignore[no-un
 
 async def _mutate(db, name: str, **status: object) -> None:  # type: ignore[no-untyped-def]
     async with db.session() as s:
-        job = (await s.execute(select(JobRow).where(JobRow.name == name))).scalar_one()
+        job = (await s.execute(select(JobRow).where(JobRow.name == f"alice/{name}"))).scalar_one()
         new = dict(job.status)
         for key, value in status.items():
             if value is None:
@@ -55,7 +55,7 @@ async def _mutate(db, name: str, **status: object) -> None:  # type: ignore[no-u
 
 async def _job_of(db, name: str) -> JobRow:  # type: ignore[no-untyped-def]
     async with db.session() as s:
-        return (await s.execute(select(JobRow).where(JobRow.name == name))).scalar_one()
+        return (await s.execute(select(JobRow).where(JobRow.name == f"alice/{name}"))).scalar_one()
 
 
 async def test_poison_jobs_fail_alone_and_the_good_job_goes_on(api, db) -> None:  # type: ignore[no-untyped-def]
@@ -73,7 +73,7 @@ async def test_poison_jobs_fail_alone_and_the_good_job_goes_on(api, db) -> None:
     good = await _job_of(db, "good")
     assert good.phase == "Launching", good.status.get("message")  # from the first pass on
     async with db.session() as s:
-        subtasks = list((await s.execute(select(SubtaskRow).where(SubtaskRow.job == "good"))).scalars())
+        subtasks = list((await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/good"))).scalars())
     assert len(subtasks) == 1 and subtasks[0].desired == "Run" and subtasks[0].phase == "Pending"
     for name, reason, words in (("broken-status", "ReconcileError", "placement"),
                                 ("bad-knobs", "NotRunnable", "warp-drive")):
@@ -98,7 +98,7 @@ async def test_a_site_whose_workers_crash_fails_the_job_with_their_cause(api, db
     reconciler = _reconciler(db, 3600)
     await reconciler.reconcile_once()
     async with db.session() as s:  # its agent claimed it, then a worker crashed (no site was lost)
-        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "crashes"))).scalar_one()
+        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/crashes"))).scalar_one()
         row.phase, row.reported = "Running", "Failed"
         row.exit_codes, row.handle = {"0": 1}, {"message": "rank 0 exited 1: ValueError: bad batch"}
     await reconciler.reconcile_once()

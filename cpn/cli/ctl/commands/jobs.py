@@ -19,7 +19,7 @@ from cpn.core.phases import JOB_TERMINAL
 @pass_ctx
 def accept(obj: Ctx, job: str, quote: str, fmt: str) -> None:
     """Accept a quote for JOB: signs the contract and reserves the GPUs."""
-    result = obj.client.post(f"/api/v1/jobs/{job}/accept", json={"quote": quote})
+    result = obj.client.post(f"/api/v1/jobs/{obj.ref(job)}/accept", json={"quote": quote})
     if fmt in ("json", "yaml"):
         click.echo(output.dump(result, fmt))
         return
@@ -41,7 +41,7 @@ WAITING_FOR_USER = {  # phases that never move on by themselves: waiting would w
 @pass_ctx
 def cancel(obj: Ctx, job: str) -> None:
     """Cancel JOB: stops its workers and releases its GPUs."""
-    result = obj.client.post(f"/api/v1/jobs/{job}/cancel")
+    result = obj.client.post(f"/api/v1/jobs/{obj.ref(job)}/cancel")
     click.echo(f"trainingjob/{job} {result['status']['phase'].lower()}")
 
 
@@ -57,7 +57,7 @@ def logs(obj: Ctx, job: str, site: str | None, follow: bool, rank: int | None, a
          tail: int | None) -> None:
     """Print every rank's output of JOB, as the site agents shipped it (-f: stream until the job ends)."""
     params = {"site": site, "follow": "1" if follow else None, "rank": rank, "attempt": attempt, "tail": tail}
-    for line in obj.client.stream_lines(f"/api/v1/jobs/{job}/logs",
+    for line in obj.client.stream_lines(f"/api/v1/jobs/{obj.ref(job)}/logs",
                                         params={k: v for k, v in params.items() if v is not None}):
         click.echo(line)
 
@@ -72,14 +72,14 @@ def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
     import time
 
     start = time.monotonic()
-    phase = obj.client.get(f"/api/v1/jobs/{job}")["status"].get("phase")
+    phase = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"].get("phase")
     if phase in WAITING_FOR_USER:
         raise click.ClickException(WAITING_FOR_USER[phase].format(job=job))
     with click.progressbar(length=1000, label=job, show_percent=True, show_eta=False,
                            item_show_func=lambda s: s) as bar:
         done = 0
         while True:
-            st = obj.client.get(f"/api/v1/jobs/{job}")["status"]
+            st = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"]
             prog = st.get("progress") or {}
             target = int(10 * float(prog.get("percent") or 0))
             bar.update(max(0, target - done), f"{st['phase']} loss {prog.get('loss') or '-'} "
@@ -134,7 +134,7 @@ def cp(obj: Ctx, source: str, dest: str) -> None:
             bar.update(done - bar.pos)
 
         try:
-            size = obj.client.download(f"/api/v1/jobs/{name}/final", fh, progress)
+            size = obj.client.download(f"/api/v1/jobs/{obj.ref(name)}/final", fh, progress)
         except BaseException:
             partial.unlink(missing_ok=True)
             raise

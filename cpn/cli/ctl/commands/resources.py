@@ -47,10 +47,10 @@ def get(obj: Ctx, kind: str, name: str | None, selector: str | None, limit: int 
     if "{parent}" in path:
         if not name:
             raise click.UsageError(f"{k['plural']} belong to a parent: cpnctl get {k['plural']} PARENT")
-        emit(obj.client.get(path.replace("{parent}", name)), fmt, k["columns"])
+        emit(obj.client.get(path.replace("{parent}", obj.ref(name))), fmt, k["columns"])
         return
     if name:
-        emit(obj.client.get(f"{path}/{name}"), fmt, k["columns"])
+        emit(obj.client.get(f"{path}/{obj.ref(name)}"), fmt, k["columns"])
         return
     items, more = list_all(obj, path, selector=selector, limit=limit, job=job)
     emit({"apiVersion": "cpn/v1", "kind": "List", "items": items}, fmt, k["columns"])
@@ -68,7 +68,8 @@ def list_all(obj: Ctx, path: str, *, selector: str | None, limit: int | None, jo
     token: str | None = None
     while limit is None or len(items) < limit:
         size = PAGE if limit is None else min(PAGE, limit - len(items))
-        page = obj.client.get(path, labelSelector=selector, limit=size, job=job, **{"continue": token})
+        page = obj.client.get(path, labelSelector=selector, limit=size, job=obj.qualified(job),
+                              namespace=obj.namespace, **{"continue": token})
         items.extend(page["items"])
         token = (page.get("metadata") or {}).get("continue")
         if not token:
@@ -83,10 +84,10 @@ def list_all(obj: Ctx, path: str, *, selector: str | None, limit: int | None, jo
 def describe(obj: Ctx, kind: str, name: str) -> None:
     """Show one object in detail, with its conditions and events."""
     k = obj.kind(kind)
-    manifest = obj.client.get(f"{k['path']}/{name}")
+    manifest = obj.client.get(f"{k['path']}/{obj.ref(name)}")
     if k["kind"] == "TrainingJob":
-        manifest["events"] = obj.client.get("/api/v1/events", job=name)["items"]
-        manifest["subtasks"] = obj.client.get(f"/api/v1/jobs/{name}/subtasks")["items"]
+        manifest["events"] = obj.client.get("/api/v1/events", job=obj.qualified(name))["items"]
+        manifest["subtasks"] = obj.client.get(f"/api/v1/jobs/{obj.ref(name)}/subtasks")["items"]
     click.echo(output.describe(manifest))
 
 
@@ -158,5 +159,5 @@ def delete(obj: Ctx, kind: str | None, names: tuple[str, ...], source: str | Non
         k = obj.kind(str(kind_name))
         if not name:
             raise click.ClickException(f"{source}: a {k['kind']} without metadata.name")
-        obj.client.delete(f"{k['path']}/{name}")
+        obj.client.delete(f"{k['path']}/{obj.ref(name)}")
         click.echo(f'{k["singular"]} "{name}" deleted')
