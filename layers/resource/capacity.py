@@ -13,7 +13,7 @@ from cpn.core import errors
 from cpn.core.principal import Principal
 from cpn.core.store import RETIRED
 from layers.resource.models import ClusterRow, LinkRow, SiteRow
-from layers.resource.schemas import HeartbeatRequest
+from layers.resource.schemas import HeartbeatBatch, HeartbeatRequest
 from layers.resource.stores import is_ready
 
 
@@ -21,6 +21,29 @@ async def heartbeat(session: AsyncSession, principal: Principal, name: str, body
                     now: datetime | None = None) -> ClusterRow:
     """Record an agent's report; only the cluster's provider (or an admin) may send it."""
     row = (await session.execute(select(ClusterRow).where(ClusterRow.name == name))).scalar_one_or_none()
+    _record(principal, name, row, body, now or datetime.now(UTC))
+    await session.flush()
+    return row  # type: ignore[return-value]
+
+
+async def heartbeats(session: AsyncSession, principal: Principal, batch: HeartbeatBatch,
+                     now: datetime | None = None) -> list[ClusterRow]:
+    """Record many clusters' reports with one read and one write; any bad item refuses the batch."""
+    names = [item.cluster for item in batch.items]
+    rows = {r.name: r for r in (await session.execute(select(ClusterRow).where(ClusterRow.name.in_(names)))).scalars()}
+    at = now or datetime.now(UTC)
+    for i, item in enumerate(batch.items):
+        try:
+            _record(principal, item.cluster, rows.get(item.cluster), item, at)
+        except errors.CPNError as exc:
+            exc.field = f"items[{i}].{exc.field or 'cluster'}"
+            exc.message = f"items[{i}]: {exc.message}"
+            raise
+    await session.flush()
+    return [rows[n] for n in dict.fromkeys(names)]
+
+
+def _record(principal: Principal, name: str, row: ClusterRow | None, body: HeartbeatRequest, now: datetime) -> None:
     if row is None:
         raise errors.NotFound(f"Cluster {name!r} not found")
     if not principal.owns(row.owner_id):
@@ -36,9 +59,7 @@ async def heartbeat(session: AsyncSession, principal: Principal, name: str, body
     row.status = status
     row.capacity_gpus = capacity
     row.allocatable_gpus = body.allocatable_gpus
-    row.last_heartbeat_at = now or datetime.now(UTC)
-    await session.flush()
-    return row
+    row.last_heartbeat_at = now
 
 
 @dataclass(frozen=True)

@@ -130,3 +130,24 @@ class HeartbeatRequest(CamelModel):
         if self.capacity_gpus is not None and self.allocatable_gpus > self.capacity_gpus:
             raise ValueError("allocatableGpus cannot exceed capacityGpus")
         return self
+
+
+MAX_HEARTBEATS = 1000  # clusters per batched heartbeat request
+
+
+class ClusterHeartbeat(HeartbeatRequest):
+    cluster: Name = Field(description="The cluster this report is about")
+
+
+class HeartbeatBatch(CamelModel):
+    """Many clusters' reports in one request and one transaction (a site agent with many clusters, a
+    provider's gateway): all are recorded or none is."""
+
+    items: list[ClusterHeartbeat] = Field(min_length=1, max_length=MAX_HEARTBEATS)
+
+
+class HeartbeatBatchResult(CamelModel):
+    api_version: Literal["cpn/v1"] = "cpn/v1"
+    kind: Literal["HeartbeatResult"] = "HeartbeatResult"
+    accepted: int = Field(description="How many clusters' reports were recorded")
+    resource_versions: dict[str, str] = Field(description="Each cluster's resourceVersion after the report")

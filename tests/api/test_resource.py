@@ -137,6 +137,34 @@ async def test_heartbeats_drive_ready_and_allocatable(api, db) -> None:
     assert resp.status == 422 and (await resp.json())["error"]["field"] == "allocatableGpus"
 
 
+async def test_a_batch_of_heartbeats_is_recorded_whole_or_not_at_all(api) -> None:
+    await apply(api, "prov-a", WORLD_A)
+    await apply(api, "prov-b", WORLD_B)
+    ready = [{"type": "Ready", "status": "True"}]
+    batch = {"items": [{"cluster": "fra-h100", "allocatableGpus": 9, "conditions": ready},
+                       {"cluster": "ams-l40s", "allocatableGpus": 3, "conditions": ready}]}
+    resp = await api.client.post("/api/v1/heartbeats", json=batch, headers=api.auth("prov-a"))
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["kind"] == "HeartbeatResult" and body["accepted"] == 2
+    assert set(body["resourceVersions"]) == {"fra-h100", "ams-l40s"}
+    for name, gpus in (("fra-h100", 9), ("ams-l40s", 3)):
+        got = await (await api.client.get(f"/api/v1/clusters/{name}", headers=api.auth("alice"))).json()
+        assert got["status"]["ready"] == "True" and got["status"]["allocatable"]["gpus"] == gpus
+    # one item that is not the caller's (or exceeds capacity) refuses the whole batch, naming it
+    for bad, status, field in (({"cluster": "nyc-h100", "allocatableGpus": 1}, 403, "items[1].cluster"),
+                               ({"cluster": "fra-a100", "allocatableGpus": 99}, 422, "items[1].allocatableGpus"),
+                               ({"cluster": "nowhere", "allocatableGpus": 1}, 404, "items[1].cluster")):
+        again = {"items": [{"cluster": "fra-h100", "allocatableGpus": 1, "conditions": ready}, bad]}
+        resp = await api.client.post("/api/v1/heartbeats", json=again, headers=api.auth("prov-a"))
+        err = (await resp.json())["error"]
+        assert resp.status == status and err["field"] == field and "items[1]" in err["message"], err
+    got = await (await api.client.get("/api/v1/clusters/fra-h100", headers=api.auth("alice"))).json()
+    assert got["status"]["allocatable"]["gpus"] == 9  # nothing of the refused batches landed
+    empty = await api.client.post("/api/v1/heartbeats", json={"items": []}, headers=api.auth("prov-a"))
+    assert empty.status == 422 and (await empty.json())["error"]["field"] == "items"
+
+
 async def test_label_selector_and_pagination(api) -> None:
     items = [site(f"s-{i}") for i in range(5)]
     for i, it in enumerate(items):

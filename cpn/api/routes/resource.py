@@ -10,7 +10,7 @@ from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
 from layers.resource import capacity
-from layers.resource.schemas import ClusterManifest, HeartbeatRequest
+from layers.resource.schemas import ClusterManifest, HeartbeatBatch, HeartbeatBatchResult, HeartbeatRequest
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -24,6 +24,17 @@ async def heartbeat(request: web.Request) -> web.Response:
     return json_response(out)
 
 
+async def heartbeats(request: web.Request) -> web.Response:
+    body = await read_model(request, HeartbeatBatch)
+    async with request.app[state.DB].session() as s:
+        rows = await capacity.heartbeats(s, principal_of(request), body)
+        out = HeartbeatBatchResult(accepted=len(body.items),
+                                   resource_versions={r.name: str(r.resource_version) for r in rows})
+    return json_response(out.wire())
+
+
 def setup(app: web.Application) -> None:
     add(app, heartbeat, RouteDoc("POST", "/api/v1/clusters/{name}/heartbeat", "Report live capacity", "Cluster",
                                  request=HeartbeatRequest, response=ClusterManifest, params=("name",)))
+    add(app, heartbeats, RouteDoc("POST", "/api/v1/heartbeats", "Report many clusters' live capacity at once",
+                                  "Cluster", request=HeartbeatBatch, response=HeartbeatBatchResult))

@@ -1,0 +1,217 @@
+"""`cpn bench api`: the API under the load of many clusters' agents and many concurrent quotes.
+
+Starts `cpn serve` on a scratch database (PostgreSQL by default), registers N clusters, then
+1. heartbeats one cluster per request (`POST /api/v1/clusters/{name}/heartbeat`) from C concurrent
+   clients for S seconds,
+2. the same clusters in batches (`POST /api/v1/heartbeats`, B clusters per request, one transaction),
+3. (optionally) Q concurrent job submissions, each planned and priced, on a Q-cluster catalogue —
+and reports cluster updates per second and request latency percentiles for each, side by side in
+one run. The clients run in this process on the same machine as the server, so the figures are a
+floor for what the server alone could do. Prints JSON; writes docs/benchmarks/api.{json,md}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import click
+import httpx
+
+from cpn.cli.bench_api import DOCS, _fire, _pct, _reset, _token, _wait
+from cpn.runtime.launcher import free_port
+
+READY = [{"type": "Ready", "status": "True"}]
+REGISTER_CHUNK = 500  # clusters per apply request while registering
+
+
+@contextmanager
+def _server(database_url: str) -> Iterator[tuple[str, dict[str, str]]]:
+    data = Path(tempfile.mkdtemp(prefix="cpn-bench-api-"))
+    port = free_port()
+    env = {**os.environ, "CPN_DATABASE_URL": database_url, "CPN_DATA_DIR": str(data), "CPN_PORT": str(port),
+           "CPN_RECONCILE": "0", "CPN_HEARTBEAT_TIMEOUT_SECONDS": "86400",
+           "CPN_RATE_LIMIT_PER_MINUTE": "100000000", "CPN_LOG_LEVEL": "WARNING"}
+    _reset(database_url)
+    server = subprocess.Popen([sys.executable, "-m", "cpn.cli.server", "serve"], env=env,
+                              stdout=open(data / "server.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, server)
+        yield url, env
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _register(url: str, token: str, clusters: int) -> list[tuple[str, int]]:
+    """A generated catalogue of `clusters` clusters; returns (name, GPUs) of each."""
+    from layers.resource.catalog import generate_world
+
+    docs = generate_world(sites=max(3, clusters // 20), clusters=clusters, seed=1, links=0)
+    headers = {"Authorization": f"Bearer {token}"}
+    for start in range(0, len(docs), REGISTER_CHUNK):
+        httpx.post(f"{url}/api/v1/apply", json={"items": docs[start:start + REGISTER_CHUNK]}, timeout=600,
+                   headers=headers).raise_for_status()
+    return [(d["metadata"]["name"], sum(p["gpusPerNode"] * p["nodes"] for p in d["spec"]["nodePools"]))
+            for d in docs if d["kind"] == "Cluster"]
+
+
+async def _load(url: str, token: str, streams: list[Iterator[tuple[str, Any]]], seconds: float,
+                interval: float | None = None) -> dict[str, Any]:
+    """One client per stream posts its (path, body) pairs for `seconds`; latency per request, clusters
+    per second. Each client reports its own clusters, as each site's agent does. Without `interval`
+    the clients send back to back (throughput); with it each sends one request per `interval` s
+    (latency at a given load, as agents on a heartbeat period do)."""
+    concurrency = len(streams)
+    latencies: list[float] = []
+    updates = 0
+    errors: dict[str, int] = {}
+    deadline = time.perf_counter() + seconds
+    headers = {"Authorization": f"Bearer {token}"}
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, headers=headers, connector=connector) as session:
+        async def client(k: int, bodies: Iterator[tuple[str, Any]]) -> None:
+            due = time.perf_counter() + (interval or 0) * k / concurrency  # spread the clients over a period
+            while time.perf_counter() < deadline:
+                if interval:
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                    due += interval
+                path, body = next(bodies)
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(path, json=body) as resp:
+                        await resp.read()
+                        status = resp.status
+                except aiohttp.ClientError as exc:
+                    status = type(exc).__name__
+                latencies.append((time.perf_counter() - t0) * 1000)
+                if status != 200:
+                    errors[str(status)] = errors.get(str(status), 0) + 1
+                else:
+                    nonlocal updates
+                    updates += len(body["items"]) if "items" in body else 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[client(k, stream) for k, stream in enumerate(streams)])
+        wall = time.perf_counter() - t0
+    return {"requests": len(latencies), "errors": errors, "wall_seconds": round(wall, 2),
+            "requests_per_second": round(len(latencies) / wall, 1),
+            "cluster_updates_per_second": round(updates / wall, 1),
+            "latency_ms": {q: round(_pct(latencies, v), 1) for q, v in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}}
+
+
+def _singles(clusters: list[tuple[str, int]]) -> Iterator[tuple[str, Any]]:
+    i = 0
+    while True:
+        name, gpus = clusters[i % len(clusters)]
+        i += 1
+        yield f"/api/v1/clusters/{name}/heartbeat", {"allocatableGpus": i % (gpus + 1), "conditions": READY}
+
+
+def _batches(clusters: list[tuple[str, int]], size: int) -> Iterator[tuple[str, Any]]:
+    i, size = 0, min(size, len(clusters))  # a client's own clusters, each at most once per request
+    while True:
+        chunk = [clusters[(i + k) % len(clusters)] for k in range(size)]
+        i += size
+        yield "/api/v1/heartbeats", {"items": [{"cluster": n, "allocatableGpus": i % (g + 1), "conditions": READY}
+                                               for n, g in chunk]}
+
+
+def _table(result: dict[str, Any]) -> str:
+    rows = ["| phase | requests | errors | cluster updates/s | req/s | p50 ms | p95 ms | p99 ms |",
+            "|---|---|---|---|---|---|---|---|"]
+    for phase in ("heartbeat", "heartbeats_batched", "heartbeats_batched_at_rate"):
+        r = result[phase]
+        rows.append(f"| {phase} | {r['requests']} | {sum(r['errors'].values())} | {r['cluster_updates_per_second']} | "
+                    f"{r['requests_per_second']} | {r['latency_ms']['p50']} | {r['latency_ms']['p95']} | "
+                    f"{r['latency_ms']['p99']} |")
+    q = result.get("quotes")
+    if q:
+        rows.append(f"| quotes ({q['clusters']} clusters) | {q['requests']} | {q['errors']} | - | "
+                    f"{q['throughput_rps']} | {q['latency_ms']['p50']} | {q['latency_ms']['p95']} | "
+                    f"{q['latency_ms']['p99']} |")
+    return "\n".join(rows) + "\n"
+
+
+@click.command("api")
+@click.option("--clusters", type=click.IntRange(min=1), default=10_000, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Concurrent heartbeat clients.")
+@click.option("--seconds", type=click.FloatRange(min=1), default=20, show_default=True, help="Per heartbeat phase.")
+@click.option("--batch", type=click.IntRange(min=1, max=1000), default=100, show_default=True,
+              help="Clusters per batched heartbeat request.")
+@click.option("--rate", type=click.FloatRange(min=1), default=1000, show_default=True,
+              help="Cluster updates/s offered in the paced batched phase (latency at that load).")
+@click.option("--quotes", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Concurrent job submissions after the heartbeats (0: none).")
+@click.option("--quote-clusters", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Catalogue size for the quote phase.")
+@click.option("--database-url", default="postgresql+asyncpg://postgres@127.0.0.1:5432/test", show_default=True,
+              help="A database the benchmark may empty and fill (use a scratch one).")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--write-docs/--no-write-docs", default=True, show_default=True,
+              help="Write docs/benchmarks/api.{json,md}.")
+def bench_api_cmd(clusters: int, concurrency: int, seconds: float, batch: int, rate: float, quotes: int,
+                  quote_clusters: int, database_url: str, as_json: bool, write_docs: bool) -> None:
+    """Heartbeats from N clusters (one per request, then batched) and concurrent quotes, side by side."""
+    result: dict[str, Any] = {"clusters": clusters, "concurrency": concurrency, "batch": batch,
+                              "backend": "PostgreSQL" if database_url.startswith("postgresql") else "SQLite"}
+    with _server(database_url) as (url, env):
+        provider = _token(env, "bench-provider", "provider")
+        t0 = time.perf_counter()
+        catalogue = _register(url, provider, clusters)
+        result["register_seconds"] = round(time.perf_counter() - t0, 1)
+        click.echo(f"registered {len(catalogue)} clusters in {result['register_seconds']} s", err=True)
+        shares = [catalogue[i::concurrency] for i in range(concurrency) if catalogue[i::concurrency]]
+        result["heartbeat"] = asyncio.run(_load(url, provider, [_singles(c) for c in shares], seconds))
+        click.echo(f"heartbeats: {result['heartbeat']['cluster_updates_per_second']}/s", err=True)
+        result["heartbeats_batched"] = asyncio.run(_load(url, provider, [_batches(c, batch) for c in shares],
+                                                         seconds))
+        click.echo(f"batched: {result['heartbeats_batched']['cluster_updates_per_second']}/s", err=True)
+        per_request = min(batch, len(shares[0]))
+        interval = len(shares) * per_request / rate  # every client's period, for `rate` updates/s in all
+        result["heartbeats_batched_at_rate"] = {
+            **asyncio.run(_load(url, provider, [_batches(c, batch) for c in shares], seconds, interval)),
+            "target_updates_per_second": rate}
+    if quotes:
+        with _server(database_url) as (url, env):
+            provider = _token(env, "bench-provider", "provider")
+            for name, gpus in _register(url, provider, quote_clusters):
+                httpx.post(f"{url}/api/v1/clusters/{name}/heartbeat", timeout=30, json={"allocatableGpus": gpus,
+                           "conditions": READY}, headers={"Authorization": f"Bearer {provider}"}).raise_for_status()
+            users = [_token(env, f"bench-user-{i}", "user") for i in range(4)]
+            result["quotes"] = {**asyncio.run(_fire(url, users, quotes, quotes)), "clusters": quote_clusters}
+    command = (f"cpn bench api --clusters {clusters} --concurrency {concurrency} --seconds {seconds:g} "
+               f"--batch {batch} --rate {rate:g} --quotes {quotes} --quote-clusters {quote_clusters}")
+    if write_docs:
+        _write_docs(command, result, batch)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(_table(result))
+
+
+def _write_docs(command: str, result: dict[str, Any], batch: int) -> None:
+    DOCS.mkdir(parents=True, exist_ok=True)
+    (DOCS / "api.json").write_text(json.dumps({"command": command, **result}, indent=2))
+    (DOCS / "api.md").write_text(
+        f"# The API under load\n\n`{command}` ({result['backend']}; the clients run on the same machine as the "
+        "server; `heartbeat` is one cluster per request, `heartbeats_batched` is `POST /api/v1/heartbeats` "
+        f"with {batch} clusters per request and one transaction, each client sending back to back; "
+        f"`heartbeats_batched_at_rate` paces the same clients to {result['heartbeats_batched_at_rate']['target_updates_per_second']:g} "
+        "cluster updates/s in all, as agents on a heartbeat period would, and shows the latency at that load)\n\n"
+        + _table(result))

@@ -1,0 +1,28 @@
+"""`cpn bench api` runs end to end (small numbers, SQLite): every phase reports updates and no errors.
+Its figures are benchmarks (docs/benchmarks/api.md), not checked here."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tests.conftest import run_cli
+
+
+def test_bench_api_reports_each_phase(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'bench.db'}"
+    out = run_cli(["cpn", "bench", "api", "--clusters", "40", "--concurrency", "4", "--seconds", "1",
+                   "--batch", "5", "--quotes", "3", "--quote-clusters", "10", "--database-url", url,
+                   "--json", "--no-write-docs"], env={**os.environ, "CPN_DATA_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    single, batched = result["heartbeat"], result["heartbeats_batched"]
+    assert single["errors"] == {} and batched["errors"] == {}
+    assert single["cluster_updates_per_second"] > 0 and single["requests"] > 0
+    # a batch carries 5 clusters: five times the updates of its requests
+    assert abs(batched["cluster_updates_per_second"] - 5 * batched["requests_per_second"]) < 0.5
+    assert result["quotes"]["errors"] == 0 and result["quotes"]["quotes_per_job"] == 3
+    assert set(single["latency_ms"]) == {"p50", "p95", "p99"}
+    paced = result["heartbeats_batched_at_rate"]  # 1000 updates/s offered: far more than 1 s can show
+    assert paced["errors"] == {} and paced["target_updates_per_second"] == 1000 and paced["requests"] > 0
