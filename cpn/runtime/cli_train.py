@@ -20,7 +20,7 @@ from cpn.runtime.topology import Topology
 
 # flag name -> (config path, click option kwargs)
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "strategy": ("strategy.name", {"default": "ddp", "help": "auto, ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps"}),
+    "strategy": ("strategy.name", {"default": "ddp", "help": "auto, ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps, ps_sync, ps_backup"}),
     "model": ("model", {"default": "small", "help": "model preset: tiny, small, medium, base, large"}),
     "tokens": ("tokens", {"type": int, "default": 2_000_000, "help": "token budget over all workers"}),
     "global_batch": ("global_batch_tokens", {"type": int, "default": 16_384, "help": "tokens per global step"}),
@@ -40,7 +40,9 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "balance/--no-balance": ("strategy.balance", {"default": None, "help": "batch shares by measured throughput "
                                                   "(default: on for hierarchical, local_sgd, diloco)"}),
     "staleness": ("strategy.staleness", {"type": int, "default": 4, "help": "ssp: max steps ahead of the slowest site"}),
-    "ps": ("strategy.ps", {"type": int, "default": 1, "help": "async_ps: parameter-server shards"}),
+    "ps": ("strategy.ps", {"type": int, "default": 1, "help": "async_ps, ps_sync, ps_backup: parameter-server shards"}),
+    "backup_workers": ("strategy.backup_workers", {"type": int, "default": 1,
+                                                   "help": "ps_backup: late pushes of a step the servers drop"}),
     "gossip_neighbours": ("strategy.gossip_neighbours", {"type": int, "default": 1}),
     "wan_timeout": ("strategy.wan_timeout_seconds", {"type": float, "default": 60.0, "help": "seconds before a silent site is dropped"}),
     "val_every": ("val_every", {"type": int, "default": 50}),

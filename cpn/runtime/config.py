@@ -19,7 +19,8 @@ ENV_CHECKPOINT_DIR = "CPN_CHECKPOINT_DIR"
 ENV_RUN_DIR = "CPN_RUN_DIR"
 ENV_REJOIN = "CPN_REJOIN"
 
-StrategyName = Literal["ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps"]
+StrategyName = Literal["ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "ps_sync",
+                       "ps_backup"]
 Compression = Literal["none", "fp16", "bf16", "int8"]
 AUTO = "auto"
 DeviceKind = Literal["auto", "cuda", "cpu"]
@@ -51,7 +52,8 @@ class StrategyConfig(_Model):
         None, description="give each site a share of the global batch in proportion to its measured throughput "
                           "(hierarchical, local_sgd, diloco; ddp keeps equal shares)")
     staleness: int = Field(4, ge=0, description="ssp: max steps a site may run ahead of the slowest")
-    ps: int = Field(1, ge=1, description="async_ps: number of parameter-server shards")
+    ps: int = Field(1, ge=1, description="async_ps, ps_sync, ps_backup: number of parameter-server shards")
+    backup_workers: int = Field(1, ge=0, description="ps_backup: pushes of a step the servers do not wait for")
     gossip_neighbours: int = Field(1, ge=1, le=2)
     wan_timeout_seconds: float = Field(60.0, gt=0, description="a WAN exchange slower than this marks a site dead")
 

@@ -29,6 +29,7 @@ from cpn.runtime.metrics import Recorder, default_sinks, gather_finals, summariz
 from cpn.runtime.model import build_model
 from cpn.runtime.siteenv import globalise
 from cpn.runtime.strategies import Context, Strategy, build_strategy
+from cpn.runtime.strategies.async_ps import PS_STRATEGIES
 from cpn.runtime.topology import Topology
 
 FINAL_MODEL = "final_model.pt"
@@ -142,7 +143,7 @@ def _summary(ctx: Context, strategy: Strategy, run_dir: str | None, recorder: Re
     curve = recorder.curve
     summary = summarize(finals, curve, strategy=ctx.cfg.strategy.name, model=ctx.cfg.model,
                         sites=topo.num_sites, world_size=topo.world_size, live_sites=strategy.live_sites(),
-                        config=ctx.cfg.model_dump())
+                        config=ctx.cfg.model_dump(), **strategy.summary_extras())
     if run_dir:
         write_summary(run_dir, summary)
     return summary
@@ -171,8 +172,10 @@ def preflight(config: TrainConfig, topology: Topology) -> None:
     config = resolve(config, topology)
     config.shares(world)
     s, f = config.strategy, config.faults
-    if s.name == "async_ps" and s.ps > world:
+    if s.name in PS_STRATEGIES and s.ps > world:
         raise ValueError(f"strategy.ps {s.ps} exceeds the {world} ranks of the job: use at most {world}")
+    if s.name == "ps_backup" and s.backup_workers >= world:
+        raise ValueError(f"strategy.backup_workers {s.backup_workers} must be below the {world} workers of the job")
     if s.name == "hierarchical" and not topology.is_uniform:
         raise ValueError(f"hierarchical needs the same number of workers at every site, got "
                          f"{[x.ranks for x in topology.sites]}: use ddp or even out the sites")

@@ -36,6 +36,7 @@ from cpn.runtime.groups import Groups, init_groups
 from cpn.runtime.metrics import Recorder, default_sinks
 from cpn.runtime.siteenv import globalise
 from cpn.runtime.strategies import Context, Strategy, build_strategy
+from cpn.runtime.strategies.async_ps import PS_STRATEGIES
 from cpn.runtime.strategies.base import flat_params, load_flat
 
 __all__ = ["FINAL_MODEL", "Budget", "Job", "Trainer", "init"]
@@ -172,7 +173,7 @@ class Trainer:
                            sampler=None, micro_batch=shares[groups.rank], shares=shares,  # type: ignore[arg-type]
                            checkpoint_dir=job.checkpoint_dir, bound_at=job._bound_at)
         self.strategy: Strategy = build_strategy(self.ctx)
-        if optimizer is not None and self.strategy.name != "async_ps":
+        if optimizer is not None and self.strategy.name not in PS_STRATEGIES:
             self.strategy.opt = optimizer  # the strategy syncs; the user's optimiser steps
         self.optimizer = self.strategy.opt
         self.lr_schedule = lr_schedule

@@ -198,3 +198,25 @@ def test_proportional_shares_sum_to_the_batch_and_leave_nobody_empty() -> None:
     assert proportional_shares(16, [1.0, 1.0, 1.0, 1.0]) == [4, 4, 4, 4]
     assert proportional_shares(4, [100.0, 1.0, 1.0, 1.0]) == [1, 1, 1, 1]
     assert sum(proportional_shares(33, [3.0, 0.1, 2.2])) == 33
+
+
+def test_ps_sync_with_one_server_equals_synchronous_training(tmp_path: Path) -> None:
+    """Servers that average every worker's push and step once are synchronous SGD (seed 001)."""
+    sync = tiny("ddp", steps=12, optimizer="sgd", lr=0.5, balance=False)
+    ps = tiny("ps_sync", steps=12, optimizer="sgd", lr=0.5, ps=1)
+    run(sync, tmp_path / "ddp")
+    summary = run(ps, tmp_path / "ps")
+    assert summary["ps_dropped"] == 0
+    a, b = final_params(tmp_path / "ddp"), final_params(tmp_path / "ps")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_ps_backup_drops_the_slow_sites_pushes_and_finishes_sooner(tmp_path: Path) -> None:
+    slow = FaultConfig(slow_site=1, slowdown=4.0)
+    three = Topology.uniform(3, 1)
+    sync = run(tiny("ps_sync", steps=30, faults=slow, ps=1), tmp_path / "sync", three)
+    backup = run(tiny("ps_backup", steps=30, faults=slow, ps=1, backup_workers=1), tmp_path / "backup", three)
+    assert sync["ps_dropped"] == 0 and backup["ps_dropped"] > 0, (sync, backup)
+    assert backup["wall_seconds"] < sync["wall_seconds"], (backup["wall_seconds"], sync["wall_seconds"])
+    assert backup["final_val_loss"] < backup["initial_val_loss"] - 1.5

@@ -11,6 +11,8 @@ diloco         pseudo-gradients every H steps, outer Nesterov (opt. int8,  yes  
 gossip         parameters, to 1-2 neighbours on a time-varying graph       yes      none
 ssp            parameters to all sites; a site may lead by <= s steps      no       bounded
 async_ps       gradients to sharded parameter servers, fresh params back   yes      none
+ps_sync        the same; servers apply the mean of every worker's push     no       every step
+ps_backup      the same; servers apply the first N-b pushes, drop the rest no       first N-b
 =============  ==========================================================  =======  =========
 """
 
@@ -30,6 +32,8 @@ STRATEGIES: dict[str, str] = {
     "gossip": "cpn.runtime.strategies.gossip:Gossip",
     "ssp": "cpn.runtime.strategies.ssp:SSP",
     "async_ps": "cpn.runtime.strategies.async_ps:AsyncPS",
+    "ps_sync": "cpn.runtime.strategies.sync_ps:SyncPS",
+    "ps_backup": "cpn.runtime.strategies.sync_ps:BackupPS",
 }
 
 

@@ -38,6 +38,7 @@ from cpn.runtime.strategies.base import (
 from cpn.runtime.strategies.gossip import pair_group
 
 OP_PUSH, OP_PULL = 0.0, 1.0
+PS_STRATEGIES = ("async_ps", "ps_sync", "ps_backup")  # the servers own the optimiser
 
 
 def server_ranks(ctx: Context, count: int) -> list[int]:
@@ -110,7 +111,7 @@ class AsyncPS(Strategy):
         for k, srank in enumerate(self.servers_at):  # same order on every rank: no rendezvous deadlock
             lo, hi = self.bounds[k]
             if ctx.rank == srank:
-                self.local[k] = Server(ctx, k, theta[lo:hi], world)
+                self.local[k] = self.make_server(k, theta[lo:hi], world)
             for w in range(world):
                 if w == srank or ctx.rank not in (w, srank):
                     continue
@@ -120,6 +121,9 @@ class AsyncPS(Strategy):
                     threading.Thread(target=self.local[k].serve, args=(w, push, pull), daemon=True).start()
                 else:
                     self.push[k], self.pull[k] = push, pull
+
+    def make_server(self, shard: int, theta: torch.Tensor, workers: int) -> Server:
+        return Server(self.ctx, shard, theta, workers)
 
     def after_backward(self, step: int) -> None:
         ctx = self.ctx

@@ -285,6 +285,10 @@ class Strategy:
                 ctx.shares = proportional_shares(self.cfg.global_sequences, speeds)
             ctx.micro_batch = ctx.shares[ctx.rank]
 
+    def summary_extras(self) -> dict[str, Any]:
+        """Strategy-specific figures for the run summary (rank 0, after :meth:`finish`)."""
+        return {}
+
     def live_sites(self) -> list[int]:
         return list(range(self.ctx.num_sites))
 
