@@ -14,7 +14,7 @@
         trainer.report(val_loss=evaluate(model))     # your own metrics, shown as valLoss
 
 Everything here is stable and typed; everything in :mod:`cpn.runtime` stays internal. The job's
-strategy (ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps, with their knobs and WAN
+strategy (ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps, ps_sync, ps_backup, with their knobs and WAN
 compression) is the one the job was quoted and accepted with: :meth:`Job.wrap` applies it to any
 ``torch.nn.Module`` through the same strategy classes the built-in LM trains with.
 """

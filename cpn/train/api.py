@@ -94,7 +94,7 @@ class Job:
 
     @property
     def strategy(self) -> str:
-        """The job's strategy: ddp, hierarchical, local_sgd, diloco, gossip, ssp or async_ps."""
+        """The job's strategy: ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps, ps_sync or ps_backup."""
         return self._cfg.strategy.name
 
     @property
@@ -128,8 +128,9 @@ class Job:
 
         Every rank starts from rank 0's parameters (as torch DDP does). ``optimizer=None`` uses the
         runtime's (AdamW at ``spec`` lr); ``lr_schedule`` (default: only then) drives the
-        optimiser's learning rate along CPN's warm-up + cosine schedule. ``async_ps`` keeps its own
-        optimiser at the parameter servers (AdamW at ``spec`` lr): there ``optimizer`` is not used."""
+        optimiser's learning rate along CPN's warm-up + cosine schedule. The parameter-server strategies
+        (``async_ps``, ``ps_sync``, ``ps_backup``) keep their own optimiser at the servers (AdamW at
+        ``spec`` lr): there ``optimizer`` is not used."""
         if self._trainer is not None:
             raise RuntimeError("job.wrap() was called already: one model per job")
         self._trainer = Trainer(self, model, optimizer, lr_schedule=optimizer is None if lr_schedule is None else lr_schedule)
