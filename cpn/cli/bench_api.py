@@ -24,6 +24,7 @@ import httpx
 from cpn.runtime.launcher import free_port
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+SCRATCH_DB = "postgresql+asyncpg://postgres@127.0.0.1:5432/cpn_bench"  # emptied (and created) by every run
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -73,7 +74,7 @@ async def _fire(url: str, tokens: list[str], n: int, concurrency: int) -> dict[s
 @click.command("quotes")
 @click.option("--requests", "n", type=int, default=1000, show_default=True)
 @click.option("--concurrency", type=int, default=1000, show_default=True)
-@click.option("--database-url", default="postgresql+asyncpg://postgres@127.0.0.1:5432/test", show_default=True,
+@click.option("--database-url", default=SCRATCH_DB, show_default=True,
               help="A database the benchmark may fill (use a scratch one).")
 @click.option("--clusters", type=int, default=30, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -124,11 +125,29 @@ def bench_quotes_cmd(n: int, concurrency: int, database_url: str, clusters: int,
 
 
 def _reset(url: str) -> None:
+    """Empty the benchmark's database (creating it first if the server has none of that name)."""
     if url.startswith("sqlite"):
         return
     from cpn.core import migrate
 
+    asyncio.run(_ensure_database(url))
     migrate.downgrade(url, "base")
+
+
+async def _ensure_database(url: str) -> None:
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    target = make_url(url)
+    engine = create_async_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as conn:
+            exists = await conn.scalar(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": target.database})
+            if not exists:
+                await conn.execute(text(f'CREATE DATABASE "{target.database}"'))
+    finally:
+        await engine.dispose()
 
 
 

@@ -28,7 +28,7 @@ import aiohttp
 import click
 import httpx
 
-from cpn.cli.bench_api import DOCS, _fire, _pct, _reset, _token, _wait
+from cpn.cli.bench_api import DOCS, SCRATCH_DB, _fire, _pct, _reset, _token, _wait
 from cpn.runtime.launcher import free_port
 
 READY = [{"type": "Ready", "status": "True"}]
@@ -160,7 +160,7 @@ def _table(result: dict[str, Any]) -> str:
               help="Concurrent job submissions after the heartbeats (0: none).")
 @click.option("--quote-clusters", type=click.IntRange(min=1), default=200, show_default=True,
               help="Catalogue size for the quote phase.")
-@click.option("--database-url", default="postgresql+asyncpg://postgres@127.0.0.1:5432/test", show_default=True,
+@click.option("--database-url", default=SCRATCH_DB, show_default=True,
               help="A database the benchmark may empty and fill (use a scratch one).")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--write-docs/--no-write-docs", default=True, show_default=True,
