@@ -22,6 +22,7 @@ from tests.conftest import start_server, stop_server
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 SECONDS = int(os.environ.get("CPN_FUZZ_SECONDS", "75"))
 SEED = os.environ.get("CPN_FUZZ_SEED", "20261123")
+TOOL_CRASH = "AST constructor recursion depth mismatch"
 
 
 def _st() -> str:
@@ -44,8 +45,11 @@ def test_schemathesis_finds_nothing(role: str, db_url: str, tmp_path: Path) -> N
                # depth mismatch" inside schemathesis (a crash of the tool, not a finding)
                "--seed", SEED, "-w", "1", "--generation-database", "none", "--request-timeout", "40",
                "--report", "junit", "--report-dir", str(tmp_path / "report")]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=SECONDS * 3 + 120, cwd=tmp_path,
-                             env={**os.environ, "SCHEMATHESIS_HOOKS": ""})
+        for _ in range(2):  # once more only if the tool itself crashed on that CPython bug (no finding)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=SECONDS * 3 + 120, cwd=tmp_path,
+                                 env={**os.environ, "SCHEMATHESIS_HOOKS": ""})
+            if TOOL_CRASH not in out.stdout + out.stderr:
+                break
     finally:
         stop_server(server)
     (tmp_path / "schemathesis.txt").write_text(out.stdout + out.stderr)
