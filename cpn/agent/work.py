@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from cpn.client import ApiError, Client
-from cpn.core.phases import SUBTASK_DONE
+from cpn.core.phases import NOT_LAUNCHED, SUBTASK_DONE
 from cpn.runtime.contract import AttemptSpec, Endpoint
 from cpn.runtime.launcher import free_port
 from layers.resource.drivers.base import SiteDriver, SubtaskState
@@ -28,6 +28,7 @@ log = logging.getLogger("cpn.agent")
 DONE = SUBTASK_DONE
 REPORT_EVERY = 10.0  # seconds: a keep-alive report even when nothing changed
 WATCH_SECONDS = 15
+LAUNCH_FAILED = -1  # exit code reported when the driver could not start a sub-task: the site's fault
 
 
 def advertise_address(server: str) -> str:
@@ -64,6 +65,7 @@ class WorkLoop:
         self.desired: dict[str, str] = {}  # uid → Run | Stop, as last seen on the server
         self.version: str | None = None
         self.deferred = False
+        self.refused: set[str] = set()  # sub-tasks whose launch failed here: reported, never retried
 
     def close(self) -> None:
         self.watch_client.close()
@@ -79,7 +81,9 @@ class WorkLoop:
         if not found:
             return
         items = (await self._call("get", "/api/v1/subtasks", cluster=self.cluster))["items"]
-        uids = {(i["spec"]["job"], i["spec"]["attempt"], i["metadata"]["name"]): i["metadata"]["uid"] for i in items}
+        # only what the server still expects to run: a finished run is never signalled again
+        uids = {(i["spec"]["job"], i["spec"]["attempt"], i["metadata"]["name"]): i["metadata"]["uid"]
+                for i in items if i["status"]["phase"] not in DONE}
         for spec, handle in found:
             uid = uids.get((spec.job, spec.attempt, spec.subtask))
             if uid is not None and uid not in self.runs:
@@ -109,7 +113,10 @@ class WorkLoop:
             if uid not in active and (run.reported is None or run.reported.phase not in DONE):
                 self.desired[uid] = "Stop"  # the server has finished with it
         for uid, item in sorted(active.items(), key=lambda kv: kv[1]["spec"]["firstRank"]):
-            if item["status"]["phase"] == "Pending" and item["spec"]["desired"] == "Run" and uid not in self.runs:
+            # Launching and not ours: claimed by an earlier life of this agent that died before the
+            # launch (adopt() found no run), so claiming again launches it for the first time
+            claimable = item["status"]["phase"] in ("Pending", "Launching") and item["spec"]["desired"] == "Run"
+            if claimable and uid not in self.runs and uid not in self.refused:
                 await self._claim_and_launch(uid, item)
 
     async def _claim_and_launch(self, uid: str, item: dict[str, Any]) -> None:
@@ -125,29 +132,51 @@ class WorkLoop:
                 return
             raise
         spec = AttemptSpec.model_validate(raw).model_copy(update={"server": self.server})
-        handle = await self.driver.launch(spec)
+        try:
+            handle = await self.driver.launch(spec)
+        except Exception as exc:  # noqa: BLE001 - one sub-task's launch must not stop the agent
+            await self._refuse(uid, spec, exc)
+            return
         self.runs[uid] = Run(uid, spec, handle)
         log.info("launched sub-task %s attempt %s: ranks %s..%s, rendezvous %s:%s", spec.subtask, spec.attempt,
                  spec.first_rank, spec.first_rank + spec.workers - 1, spec.rendezvous.host if spec.rendezvous else "?",
                  spec.rendezvous.port if spec.rendezvous else "?")
 
+    async def _refuse(self, uid: str, spec: AttemptSpec, exc: Exception) -> None:
+        """The driver could not start the workers: the sub-task fails with the driver's reason (the
+        reconciler treats it as this site's fault and re-places the job), and the agent goes on."""
+        cause = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+        log.error("could not launch sub-task %s attempt %s: %s", spec.subtask, spec.attempt, cause)
+        self.refused.add(uid)
+        await self._call("post", f"/api/v1/subtasks/{uid}/status",
+                         json={"phase": "Failed", "message": f"the site could not launch the workers: {cause}"[:2000],
+                               "exitCodes": {NOT_LAUNCHED: LAUNCH_FAILED}})
+
     # ------------------------------------------------------------ monitor
     async def monitor_once(self) -> None:
         for uid, run in list(self.runs.items()):
-            if self.desired.get(uid) == "Stop" and not run.stop_sent:
-                await self.driver.cancel(run.spec, run.handle)
-                run.stop_sent = True
-                log.info("stopping sub-task %s attempt %s (desired Stop)", run.spec.subtask, run.spec.attempt)
-            state = await self.driver.poll(run.spec, run.handle)
-            lines, cursor = await self.driver.logs(run.spec, run.handle, run.cursor)
-            if lines:
-                await self._call("post", f"/api/v1/subtasks/{uid}/logs",
-                                 json={"lines": [{"rank": x.rank, "line": x.line[:4000]} for x in lines]})
-                run.cursor = cursor
-            if _changed(run.reported, state) or time.monotonic() - run.reported_at > REPORT_EVERY:
-                await self._report(run, state)
-            if state.phase in DONE and not lines and run.reported is not None and run.reported.phase in DONE:
-                del self.runs[uid]  # reported and drained; the run directory stays for inspection
+            try:
+                await self._monitor_run(uid, run)
+            except ApiError:
+                raise  # the server: retried by the loop
+            except Exception:  # noqa: BLE001 - one run's driver error must not blind the agent to the others
+                log.exception("monitoring sub-task %s attempt %s failed", run.spec.subtask, run.spec.attempt)
+
+    async def _monitor_run(self, uid: str, run: Run) -> None:
+        if self.desired.get(uid) == "Stop" and not run.stop_sent:
+            await self.driver.cancel(run.spec, run.handle)
+            run.stop_sent = True
+            log.info("stopping sub-task %s attempt %s (desired Stop)", run.spec.subtask, run.spec.attempt)
+        state = await self.driver.poll(run.spec, run.handle)
+        lines, cursor = await self.driver.logs(run.spec, run.handle, run.cursor)
+        if lines:
+            await self._call("post", f"/api/v1/subtasks/{uid}/logs",
+                             json={"lines": [{"rank": x.rank, "line": x.line[:4000]} for x in lines]})
+            run.cursor = cursor
+        if _changed(run.reported, state) or time.monotonic() - run.reported_at > REPORT_EVERY:
+            await self._report(run, state)
+        if state.phase in DONE and not lines and run.reported is not None and run.reported.phase in DONE:
+            del self.runs[uid]  # reported and drained; the run directory stays for inspection
 
     async def _report(self, run: Run, state: SubtaskState) -> None:
         body = {"phase": state.phase, "message": state.message[:2000],
@@ -196,6 +225,8 @@ async def _retrying(step: Any, interval: float, once: bool = False) -> None:
             log.warning("agent: %s; retrying", exc)
         except OSError as exc:
             log.warning("agent: %s; retrying", exc)
+        except Exception:  # noqa: BLE001 - a bug or a driver's surprise must not end the agent
+            log.exception("agent: unexpected error; retrying")
         if once:
             return
         await asyncio.sleep(interval)

@@ -37,3 +37,8 @@ JOB_DRAFT = frozenset({JobPhase.PENDING, JobPhase.QUOTED})  # before a quote is 
 JOB_ACTIVE = (JobPhase.RESERVED, JobPhase.LAUNCHING, JobPhase.RUNNING)  # the reconciler drives these
 SUBTASK_DONE = frozenset({SubtaskPhase.SUCCEEDED, SubtaskPhase.FAILED, SubtaskPhase.CANCELLED, SubtaskPhase.LOST})
 SUBTASK_FAILED = frozenset({SubtaskPhase.FAILED, SubtaskPhase.LOST})
+
+# Exit-code keys of a sub-task whose workers never started: no agent claimed it in time, or its site
+# could not launch it. The world of that attempt never met, so no strategy can go on without it.
+NEVER_CLAIMED, NOT_LAUNCHED = "claim", "launch"
+NEVER_STARTED = frozenset({NEVER_CLAIMED, NOT_LAUNCHED})

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
 from cpn.core.db import Database, as_utc
-from cpn.core.phases import JOB_ACTIVE, SUBTASK_DONE
+from cpn.core.phases import JOB_ACTIVE, NEVER_CLAIMED, NEVER_STARTED, NOT_LAUNCHED, SUBTASK_DONE
 from layers.control import leases
 from layers.orchestration.events import record_event
 from layers.orchestration.identity.tokens import revoke_job_tokens
@@ -169,7 +169,13 @@ class Reconciler:
                 if waited > self.cfg.claim_timeout:
                     states[t.name] = SubtaskState("Failed", f"no agent of cluster {t.cluster} claimed the sub-task "
                                                   f"within {int(self.cfg.claim_timeout.total_seconds())} s",
-                                                  {"claim": -9})
+                                                  {NEVER_CLAIMED: -9})
+                continue
+            if t.phase == "Launching" and t.reported is None and t.claimed_at is not None \
+                    and now - as_utc(t.claimed_at) > self.cfg.claim_timeout:  # claimed, then never a word
+                states[t.name] = SubtaskState("Failed", f"the agent of cluster {t.cluster} claimed the sub-task but "
+                                              f"reported nothing within {int(self.cfg.claim_timeout.total_seconds())} s",
+                                              {NOT_LAUNCHED: -9})
                 continue
             if cluster is not None and not is_ready(cluster, self.cfg.heartbeat_timeout)[0]:
                 states[t.name] = SubtaskState("Lost", f"the agent of cluster {t.cluster} stopped heartbeating",
@@ -215,7 +221,7 @@ class Reconciler:
                                + ("the job continues on the other sites" if job.status.get("strategy") in ELASTIC
                                   else "the attempt restarts from its latest checkpoint"), subtask=t.name)
             t.desired = "Stop"
-            never_formed = "claim" in state.exit_codes  # the world never met: no strategy can go on without it
+            never_formed = bool(NEVER_STARTED & state.exit_codes.keys())  # the world never met: nobody can go on
             if never_formed or job.status.get("strategy") not in ELASTIC:  # a synchronous attempt ends here
                 await self._stop_subtasks(s, job)
 

@@ -3,7 +3,7 @@ sit next to a good job; each fails alone with its reason, and the good one goes 
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 
@@ -120,3 +120,19 @@ async def test_a_subtask_no_agent_claims_is_re_placed_then_fails_with_the_reason
     assert unclaimed.status["attempt"] >= 2  # re-placed on another site before giving up
     resp = await api.client.get("/api/v1/events?job=never-claimed", headers=api.auth("alice"))
     assert any(e["reason"] == "Restarting" for e in (await resp.json())["items"])
+
+
+async def test_a_claimed_subtask_its_agent_never_reports_fails_after_the_claim_timeout(api, db) -> None:  # type: ignore[no-untyped-def]
+    await _world(api)
+    await _accept(api, "silent")
+    reconciler = _reconciler(db, 60)
+    await reconciler.reconcile_once()
+    async with db.session() as s:  # claimed ten minutes ago by an agent that then said nothing at all
+        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/silent"))).scalar_one()
+        row.phase, row.claimed_at = "Launching", datetime.now(UTC) - timedelta(minutes=10)
+    await reconciler.reconcile_once()
+    async with db.session() as s:
+        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/silent",
+                                                        SubtaskRow.attempt == 1))).scalar_one()
+    assert row.phase == "Failed" and "reported nothing" in (row.message or ""), row.message
+    assert row.desired == "Stop"

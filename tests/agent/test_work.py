@@ -1,0 +1,124 @@
+"""The agent's work loop against the real API (in-process, over real HTTP) and the real reconciler:
+a site whose driver cannot launch one job fails that job alone, with the driver's reason, and keeps
+running the others; an agent that died between a claim and a launch launches on restart."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from cpn.agent.work import WorkLoop
+from cpn.runtime.contract import AttemptSpec
+from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
+from layers.resource.drivers.base import DriverError, LogLine, SubtaskState
+from tests.layers.orchestration.test_reconciler import _accept, _job, _job_of, _world
+
+CLUSTERS = {"fra-1-cpu": "prov-a", "ams-1-cpu": "prov-a", "nyc-1-cpu": "prov-b"}
+
+
+class Site:
+    """A site's driver as the agent sees it: launches succeed and finish after a few polls, except
+    for jobs whose name contains `refuse`, which the site cannot start (an image pull, a quota...)."""
+
+    name = "local"
+
+    def __init__(self, refuse: str = "\0"):
+        self.refuse = refuse
+        self.launched: list[tuple[str, int]] = []
+
+    async def launch(self, spec: AttemptSpec) -> dict[str, Any]:
+        if self.refuse in spec.job:
+            raise DriverError("the site's container runtime refused the workers: quota exceeded")
+        self.launched.append((spec.subtask, spec.attempt))
+        return {"polls": 0}
+
+    async def poll(self, spec: AttemptSpec, handle: dict[str, Any]) -> SubtaskState:
+        handle["polls"] += 1
+        done = handle["polls"] > 2
+        return SubtaskState("Succeeded" if done else "Running",
+                            exit_codes={str(r): 0 if done else None for r in spec.ranks})
+
+    async def cancel(self, spec: AttemptSpec, handle: dict[str, Any]) -> None:
+        handle["polls"] = 99
+
+    async def adopt(self) -> list[tuple[AttemptSpec, dict[str, Any]]]:
+        return []
+
+    async def logs(self, spec: AttemptSpec, handle: dict[str, Any],
+                   cursor: dict[str, Any]) -> tuple[list[LogLine], dict[str, Any]]:
+        return [], cursor
+
+
+def _url(api) -> str:  # type: ignore[no-untyped-def]
+    return str(api.client.make_url("")).rstrip("/")
+
+
+def _agents(api, site: Site) -> list[WorkLoop]:  # type: ignore[no-untyped-def]
+    return [WorkLoop(_url(api), api.tokens[owner], cluster, site, advertise="127.0.0.1")
+            for cluster, owner in CLUSTERS.items()]
+
+
+async def _pass(reconciler: Reconciler, agents: list[WorkLoop]) -> None:
+    await reconciler.reconcile_once()
+    for agent in agents:
+        agent.version = None  # list now rather than long-poll for a change
+        await agent.watch_once()
+        await agent.monitor_once()
+
+
+async def test_a_site_that_cannot_launch_fails_that_job_alone_and_the_good_one_succeeds(api, db) -> None:  # type: ignore[no-untyped-def]
+    await _world(api)
+    resp = await api.client.post("/api/v1/jobs", json=_job("too-big", model="llama-7b"), headers=api.auth("alice"))
+    assert resp.status == 422, await resp.text()  # offered nowhere: no CPU slot holds a 7B model
+    await _accept(api, "refused")
+    await _accept(api, "good")
+    site = Site(refuse="refused")
+    agents = _agents(api, site)
+    reconciler = Reconciler(db, ReconcilerConfig(heartbeat_timeout=timedelta(seconds=60),
+                                                 lease_ttl=timedelta(hours=1), claim_timeout=timedelta(hours=1)))
+    try:
+        for _ in range(8):
+            await _pass(reconciler, agents)
+    finally:
+        for agent in agents:
+            agent.close()
+
+    good = await _job_of(db, "good")
+    assert good.phase == "Succeeded", good.status
+    assert good.status["attempt"] == 1
+    assert [x for x in site.launched if x[0].startswith("alice/good-")] == [(f"alice/good-{good.status['placement'][0]['cluster']}", 1)]
+    refused = await _job_of(db, "refused")
+    assert refused.phase == "Failed", refused.status
+    assert "could not launch the workers" in refused.status["message"], refused.status["message"]
+    assert "quota exceeded" in refused.status["message"]
+    resp = await api.client.get("/api/v1/events?job=refused", headers=api.auth("alice"))
+    reasons = [e["reason"] for e in (await resp.json())["items"]]
+    assert "SiteFailed" in reasons and "Failed" in reasons, reasons
+    resp = await api.client.get("/api/v1/reservations?job=refused", headers=api.auth("alice"))
+    assert all(r["status"]["state"] != "active" for r in (await resp.json())["items"])
+
+
+async def test_a_claim_whose_agent_died_before_launching_is_launched_by_the_restarted_agent(api, db) -> None:  # type: ignore[no-untyped-def]
+    await _world(api)
+    await _accept(api, "orphan")
+    reconciler = Reconciler(db, ReconcilerConfig(heartbeat_timeout=timedelta(seconds=60),
+                                                 lease_ttl=timedelta(hours=1), claim_timeout=timedelta(hours=1)))
+    await reconciler.reconcile_once()
+    job = await _job_of(db, "orphan")
+    cluster = job.status["placement"][0]["cluster"]
+    listing = await api.client.get(f"/api/v1/subtasks?cluster={cluster}", headers=api.auth(CLUSTERS[cluster]))
+    (uid,) = [t["metadata"]["uid"] for t in (await listing.json())["items"]]
+    # an earlier life of the agent claimed the sub-task, then died before its driver launched anything
+    resp = await api.client.post(f"/api/v1/subtasks/{uid}/claim", headers=api.auth(CLUSTERS[cluster]),
+                                 json={"rendezvous": {"host": "127.0.0.1", "port": 29500}})
+    assert resp.status == 200, await resp.text()
+    site = Site()
+    agent = WorkLoop(_url(api), api.tokens[CLUSTERS[cluster]], cluster, site, advertise="127.0.0.1")
+    try:
+        await agent.adopt()
+        for _ in range(5):
+            await _pass(reconciler, [agent])
+    finally:
+        agent.close()
+    assert site.launched == [(f"alice/orphan-{cluster}", 1)]  # launched once, by the restarted agent
+    assert (await _job_of(db, "orphan")).phase == "Succeeded"
