@@ -389,3 +389,45 @@ def test_every_page_passes_axe_and_fits_a_phone(portal_world: tuple[LiveServer, 
         check("invoices")
     bad = {view: problems for view, problems in checked.items() if problems}
     assert not bad, bad
+
+
+POISON = """\
+def main():
+    raise RuntimeError("user bug: the data path is empty")
+"""
+
+
+@needs_browser
+@pytest.mark.slow
+def test_a_job_that_cannot_run_fails_alone_with_its_reason_while_a_good_one_runs(
+        portal_world: tuple[LiveServer, str], tmp_path: Path) -> None:
+    """bob-style poison next to a good job: user code that crashes at once is uploaded and accepted
+    first; the good job, priced and accepted in the portal after it, still trains to Succeeded, and
+    the poison job's page says why it failed."""
+    import yaml
+    from playwright.sync_api import expect
+
+    from tests.conftest import run_cli
+
+    server, user = portal_world
+    code = tmp_path / "poison"
+    code.mkdir()
+    (code / "train.py").write_text(POISON)
+    (code / "job.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": {"name": "poison"},
+        "spec": {"code": {"path": ".", "entrypoint": "train:main"}, "model": {"parameters": 10_000},
+                 "tokens": 30_000, "strategy": "ddp", "gpus": {"min": 1, "max": 1}, "sites": {"min": 1, "max": 1}}}))
+    env = {**server.env, "CPN_SERVER": server.url, "CPN_TOKEN": user}
+    for argv in (["apply", "-f", str(code / "job.yaml")], ["accept", "poison", "--quote", "cheapest"]):
+        out = run_cli(["cpnctl", *argv], env)
+        assert out.returncode == 0, out.stderr
+    with signed_in(server, user) as page:
+        submit_and_accept(page, "good-run")
+        expect(page.locator("#phase .badge")).to_have_text("Succeeded", timeout=300_000)
+        page.goto(f"{server.url}/ui#/jobs/poison")
+        expect(page.locator("#phase .badge")).to_have_text("Failed", timeout=120_000)
+        expect(page.locator("#failure")).to_contain_text("user bug: the data path is empty")
+        page.get_by_role("link", name="Jobs", exact=True).click()
+        expect(page.get_by_role("row").filter(has_text="poison")).to_contain_text("Failed")
+        expect(page.get_by_role("row").filter(has_text="good-run")).to_contain_text("Succeeded")
+        assert axe_problems(page) == []  # a failed job in the list reads as well as a good one
