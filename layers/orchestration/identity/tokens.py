@@ -2,11 +2,15 @@
 
 The lookup part finds the row without scanning; the secret is verified against the hash. Verified
 tokens are cached in memory for a short while (keyed by a SHA-256 of the token, never the token)
-so a busy client does not pay the KDF on every request.
+so a busy client does not pay the KDF on every request, and concurrent first requests with one
+token share one verification. The cache skips the KDF, never the database: every request still
+reads its token's row (revoked, expiry, account disabled), so a revocation written by any replica
+holds at every replica sharing the database from the next request on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
@@ -25,6 +29,7 @@ from layers.orchestration.identity.models import Account, Token
 _HASHER = PasswordHasher(time_cost=2, memory_cost=19456, parallelism=1)
 _CACHE_SECONDS = 30.0
 _cache: dict[str, tuple[float, Principal]] = {}
+_verifying: dict[str, asyncio.Future[Principal]] = {}  # token digest → its verification in flight
 
 
 def _mint() -> tuple[str, str, str]:
@@ -140,8 +145,32 @@ async def authenticate(session: AsyncSession, header: str | None) -> Principal:
     if hit and hit[0] > time.monotonic():
         await _still_valid(session, hit[1])
         return hit[1]
-    principal = await _verify(session, token)
-    _cache[key] = (time.monotonic() + _CACHE_SECONDS, principal)
+    pending = _verifying.get(key)
+    if pending is not None:  # a burst on one token pays for one KDF: the others wait for its outcome
+        try:
+            principal = await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            if not pending.cancelled():
+                raise  # this request was cancelled, not the verification it waited for
+            return await authenticate(session, header)
+        await _still_valid(session, principal)
+        return principal
+    future: asyncio.Future[Principal] = asyncio.get_running_loop().create_future()
+    _verifying[key] = future
+    try:
+        principal = await _verify(session, token)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    except BaseException as exc:
+        future.set_exception(exc)
+        future.exception()  # retrieved: no "never retrieved" warning when nobody else waited
+        raise
+    else:
+        future.set_result(principal)
+        _cache[key] = (time.monotonic() + _CACHE_SECONDS, principal)
+    finally:
+        del _verifying[key]
     return principal
 
 
@@ -155,8 +184,8 @@ async def _verify(session: AsyncSession, token: str) -> Principal:
     if row is None:
         raise errors.Unauthenticated("unknown token")
     tok, account = row
-    try:
-        _HASHER.verify(tok.secret_hash, parts[2])
+    try:  # the KDF (~20 ms of CPU) runs beside the event loop: argon2 releases the GIL
+        await asyncio.to_thread(_HASHER.verify, tok.secret_hash, parts[2])
     except (VerificationError, InvalidHashError) as exc:
         raise errors.Unauthenticated("invalid token") from exc
     if tok.revoked or account.disabled:

@@ -27,7 +27,9 @@ candidate clusters, the exact solver from the heuristic's plan for at most
 
 from __future__ import annotations
 
+import copy
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
@@ -189,7 +191,30 @@ def plan(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink],
 
 def quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
                   solver: str = "auto") -> dict[str, Plan]:
-    """Cheapest, fastest and balanced (the user's weights) plans; equal plans may repeat under two labels."""
+    """Cheapest, fastest and balanced (the user's weights) plans; equal plans may repeat under two labels.
+
+    Planned once per distinct (requirements, catalogue snapshot, objective, solver): a burst of
+    submissions of the same job against the same live capacity pays for one planning, and every
+    caller gets its own copy of the plans. Any change in the inputs (a heartbeat that moves a free
+    GPU count, a lease, a learned factor) is a different key."""
+    key = (req, tuple(offers), tuple(links), objective, solver)
+    hit = _QUOTE_MEMO.get(key)
+    if hit is None:
+        hit = _quote_options(req, offers, links, objective, solver)
+        _QUOTE_MEMO[key] = hit
+        while len(_QUOTE_MEMO) > QUOTE_MEMO_SIZE:
+            _QUOTE_MEMO.popitem(last=False)
+    else:
+        _QUOTE_MEMO.move_to_end(key)
+    return copy.deepcopy(hit)
+
+
+QUOTE_MEMO_SIZE = 64  # distinct (job, snapshot) plans kept; each is three small Plan objects
+_QUOTE_MEMO: OrderedDict[tuple[Any, ...], dict[str, Plan]] = OrderedDict()
+
+
+def _quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
+                   solver: str) -> dict[str, Plan]:
     out = {"balanced": plan(req, offers, links, objective, solver)}
     for label, weights in (("cheapest", Objective(cost=1.0, time=0.0)), ("fastest", Objective(cost=0.0, time=1.0))):
         problem = build_problem(req, offers, links, weights)
