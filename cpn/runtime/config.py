@@ -27,6 +27,22 @@ DeviceKind = Literal["auto", "cuda", "cpu"]
 Precision = Literal["auto", "bf16", "fp32"]
 
 
+def trim_shares(tokens: int, shares: list[int], seq_len: int) -> list[int]:
+    """A trimmed step's ``tokens`` over the ranks, as tokens per rank: whole sequences in proportion to
+    the ranks' ``shares`` of a full step (largest remainder; a rank may get none), and the partial
+    sequence that is left to the rank with the fewest."""
+    seqs, tail = divmod(tokens, seq_len)
+    total = sum(shares)
+    raw = [seqs * s / total for s in shares]
+    out = [int(r) for r in raw]
+    for i in sorted(range(len(out)), key=lambda k: out[k] - raw[k])[: seqs - sum(out)]:
+        out[i] += 1
+    per_rank = [n * seq_len for n in out]
+    if tail:
+        per_rank[min(range(len(out)), key=lambda k: out[k])] += tail
+    return per_rank
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -130,8 +146,6 @@ class TrainConfig(_Model):
                 f"global_batch_tokens {self.global_batch_tokens} is not a multiple of seq_len {self.seq_len}: "
                 f"use {self.global_batch_tokens // self.seq_len * self.seq_len or self.seq_len}"
             )
-        if self.tokens < self.global_batch_tokens:
-            raise ValueError(f"tokens {self.tokens} is less than one global batch: raise --tokens")
         return self
 
     @property
@@ -156,7 +170,17 @@ class TrainConfig(_Model):
 
     @property
     def total_steps(self) -> int:
-        return self.tokens // self.global_batch_tokens
+        """Optimiser steps: whole global batches, then one trimmed step for what is left of the budget
+        (the run trains exactly ``tokens``, never more)."""
+        return -(-self.tokens // self.global_batch_tokens)
+
+    def tokens_through(self, steps: int) -> int:
+        """Tokens the job has trained after ``steps`` global steps."""
+        return min(self.tokens, max(0, steps) * self.global_batch_tokens)
+
+    def step_tokens(self, step: int) -> int:
+        """Tokens of global step ``step`` (0-based): a global batch, less for the trimmed last step."""
+        return self.tokens_through(step + 1) - self.tokens_through(step)
 
     def to_env(self) -> dict[str, str]:
         return {ENV_TRAIN_CONFIG: self.model_dump_json()}

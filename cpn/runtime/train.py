@@ -76,25 +76,42 @@ def setup(cfg: TrainConfig) -> tuple[Context, Strategy]:
     return ctx, strategy
 
 
+def forward_backward(ctx: Context, step: int) -> float | None:
+    """This rank's tokens of ``step``: whole sequences, and in a trimmed step maybe the front of one
+    more; the gradient is the mean over those tokens. None when the rank has no tokens in the step."""
+    cfg, device = ctx.cfg, ctx.device
+    full, tail = divmod(ctx.step_tokens, cfg.seq_len)
+    if not full and not tail:
+        return None
+    x, y = (t.to(device, non_blocking=True) for t in ctx.sampler.batch(step, full + (1 if tail else 0)))
+    with autocast(device, cfg.device.precision):
+        if tail:
+            parts = [(x[:full], y[:full], full * cfg.seq_len)] if full else []
+            parts.append((x[full:, :tail], y[full:, :tail], tail))
+            loss = sum(ctx.model.loss(a, b) * (n / ctx.step_tokens) for a, b, n in parts)
+        else:
+            loss = ctx.model.loss(x, y)
+    loss.backward()
+    synchronize(device)
+    return loss.item()
+
+
 def train(ctx: Context, strategy: Strategy, recorder: Recorder) -> tuple[int, int]:
     """The loop: micro-batch forward/backward here, everything else in the strategy."""
-    cfg, model, timers, device = ctx.cfg, ctx.model, ctx.timers, ctx.device
+    cfg, model, timers = ctx.cfg, ctx.model, ctx.timers
     precision = cfg.device.precision
     step, tokens = strategy.start_step, 0
     if ctx.rank == 0:
         recorder.report(step=step, tokens=0, timers=timers, train_loss=None,
-                        val_loss=evaluate(model, ctx.val, precision), jobTokens=step * cfg.global_batch_tokens)
+                        val_loss=evaluate(model, ctx.val, precision), jobTokens=cfg.tokens_through(step))
     while not strategy.should_stop(step):
         if faults.should_kill(cfg.faults, ctx.site, step):
             faults.die([recorder.close])
-        x, y = (t.to(device, non_blocking=True) for t in ctx.sampler.batch(step, ctx.micro_batch))
         strategy.before_step(step)
+        strategy.plan_step(step)
         strategy.set_lr(step)
         t0 = time.perf_counter()
-        with autocast(device, precision):
-            loss = model.loss(x, y)
-        loss.backward()
-        synchronize(device)
+        loss = forward_backward(ctx, step)
         compute = time.perf_counter() - t0
         busy = compute + faults.slow_down(cfg.faults, ctx.site, compute)
         timers.add("compute", busy)
@@ -107,7 +124,7 @@ def train(ctx: Context, strategy: Strategy, recorder: Recorder) -> tuple[int, in
         if ctx.rank == 0 and step % cfg.val_every == 0:
             with timers.timed("compute"):
                 val = evaluate(model, ctx.val, precision)
-        recorder.report(step=step, tokens=tokens, timers=timers, train_loss=loss.item(), val_loss=val,
+        recorder.report(step=step, tokens=tokens, timers=timers, train_loss=loss, val_loss=val,
                         jobTokens=int(strategy.progress * cfg.tokens))
         if strategy.checkpoint_due(step):
             checkpoint.save(ctx.checkpoint_dir, step, site=ctx.site, is_leader=ctx.is_leader, is_rank0=ctx.rank == 0,
@@ -125,7 +142,7 @@ def run_worker(cfg: TrainConfig, run_dir: str | None = None) -> dict | None:
     step, tokens = train(ctx, strategy, recorder)
     val = evaluate(ctx.model, ctx.val, cfg.device.precision) if ctx.rank == 0 else None
     final = recorder.report(step=step, tokens=tokens, timers=ctx.timers, train_loss=None, val_loss=val, final=True,
-                            jobTokens=int(strategy.progress * cfg.tokens) if strategy.global_budget else step * cfg.global_batch_tokens)
+                            jobTokens=int(strategy.progress * cfg.tokens) if strategy.global_budget else cfg.tokens_through(step))
     recorder.close()
     ctx.store.set(f"cpn/final/{ctx.rank}", json.dumps(final))
     if ctx.rank != 0:

@@ -5,8 +5,10 @@ launcher) finds its rank, the job's topology and its :class:`~cpn.runtime.config
 environment (:func:`cpn.runtime.contract.worker_env`); the user's ``spec.code.args`` come as JSON in
 ``CPN_CODE_ARGS`` and the site's dataset URI in ``CPN_DATA_URI``.
 
-The budget: the job trains ``budget.steps`` optimiser steps (``spec.tokens / spec.globalBatchTokens``,
-rounded up to whole steps); every rank stops at the same step (the strategy decides it, so the
+The budget: the job trains exactly ``budget.units``: ``budget.steps`` optimiser steps of
+``budget.per_step`` units over all ranks, the last one trimmed to ``budget.last_step`` (what is left).
+``trainer.units`` is this rank's share of the current step: size the batch by it, so the job trains
+what it was asked, never more. Every rank stops at the same step (the strategy decides it, so the
 synchronous strategies never leave a rank waiting in a collective). ``trainer.step(loss, tokens=n)``
 counts ``n`` units (tokens, samples, whatever the budget counts) in this rank's metrics.
 """
@@ -49,11 +51,12 @@ _JOB: Job | None = None
 @dataclass(frozen=True)
 class Budget:
     """What the job may spend: ``units`` in all (tokens, samples …), ``per_step`` of them per global
-    step over all ranks, so ``steps`` optimiser steps."""
+    step over all ranks, so ``steps`` optimiser steps, the last of ``last_step`` units (the rest)."""
 
     units: int
     per_step: int
     steps: int
+    last_step: int = 0
 
 
 class Job:
@@ -68,7 +71,8 @@ class Job:
         self.run_dir = run_dir
         self.data_uri = data_uri
         """Where this site's replica of ``spec.dataset`` lives (None when the job names none)."""
-        self.budget = Budget(units=cfg.tokens, per_step=cfg.global_batch_tokens, steps=cfg.total_steps)
+        self.budget = Budget(units=cfg.tokens, per_step=cfg.global_batch_tokens, steps=cfg.total_steps,
+                             last_step=cfg.step_tokens(cfg.total_steps - 1))
         self._trainer: Trainer | None = None
 
     @property
@@ -207,6 +211,13 @@ class Trainer:
         return self._done
 
     @property
+    def units(self) -> int:
+        """This rank's units (tokens, samples …) in the current step: its share of ``budget.per_step``,
+        less in the trimmed last step. A rank's gradient counts by its units, so a rank with 0 units in
+        that step still calls :meth:`step` (its loss, whatever it is, gets weight 0)."""
+        return self.ctx.step_tokens
+
+    @property
     def progress(self) -> float:
         """The job-wide fraction of the budget spent, 0 .. 1."""
         return min(1.0, float(self.strategy.progress))
@@ -269,6 +280,7 @@ class Trainer:
     # ------------------------------------------------------------------ internals
     def _begin_step(self) -> None:
         self.strategy.before_step(self._step)
+        self.strategy.plan_step(self._step)
         saved = [g.get("lr") for g in self.strategy.opt.param_groups]
         self.strategy.set_lr(self._step)  # also moves the strategy's progress
         if not self.lr_schedule:

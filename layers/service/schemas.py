@@ -114,9 +114,10 @@ class TrainingJobSpec(CamelModel):
     tokens: int = Field(gt=0, le=10**15)
     global_batch_tokens: int = Field(default=65536, gt=0)
     strategy: Strategy = "auto"
-    inner_steps: int = Field(default=100, ge=1, le=100_000)
-    compression: Literal["none", "fp16", "bf16", "int8"] = "none"
-    overlap: bool = True
+    # unset (None): the runtime's autotune chooses, as for `cpn train` (docs/runtime-training.md, "Defaults")
+    inner_steps: int | None = Field(default=None, ge=1, le=100_000)
+    compression: Literal["none", "fp16", "bf16", "int8"] | None = None
+    overlap: bool | None = None
     staleness: int = Field(default=4, ge=0, le=1000)
     gpus: GpuRequest = Field(default_factory=GpuRequest)
     sites: SiteRequest = Field(default_factory=SiteRequest)

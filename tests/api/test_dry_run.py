@@ -138,15 +138,17 @@ async def test_no_quote_is_offered_that_the_workers_would_refuse(api, db) -> Non
 
 
 async def test_a_quote_says_what_the_run_will_really_train(api, db) -> None:
-    """10,000-token batches do not split into whole 128-token sequences over 3 workers: the quote says so."""
+    """10,000-token batches are not whole 128-token sequences: the quote says what the batch becomes, and the
+    run still trains exactly the 100,000 tokens asked (the last step trimmed)."""
     await register_world(api)
     body = job("odd", model="tiny", tokens=100_000, globalBatchTokens=10_000, strategy="ddp",
                gpus={"min": 3, "max": 3}, sites={"max": 1})
     resp = await dry_run(api, body)
     assert resp.status == 200, await resp.text()
     for q in (await resp.json())["status"]["quotes"]:
-        assert q["trains"]["globalBatchTokens"] == 10_368 and q["trains"]["tokens"] == 103_680, q["trains"]
-        assert "trains 103,680 tokens: 10 steps × 10,368 (batch of whole 128-token sequences" in q["note"]
+        assert q["trains"]["globalBatchTokens"] == 10_112 and q["trains"]["tokens"] == 100_000, q["trains"]
+        assert ("trains 100,000 tokens: 9 steps × 10,112 and a last step of 8,992 (batch of whole 128-token "
+                "sequences") in q["note"]
     exact = await dry_run(api, job("even", model="tiny", tokens=98_304, globalBatchTokens=12_288, strategy="ddp",
                                    gpus={"min": 3, "max": 3}, sites={"max": 1}))
     assert all(q["trains"]["note"] is None and "trains" not in q["note"]

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from cpn.runtime.codecs import ErrorFeedback, get_codec
 from cpn.runtime.collectives import Stats, broadcast_from_site_leader, site_allreduce
-from cpn.runtime.config import TrainConfig
+from cpn.runtime.config import TrainConfig, trim_shares
 from cpn.runtime.data import ShardSampler
 from cpn.runtime.device import HOST, HostStage
 from cpn.runtime.groups import Groups
@@ -53,6 +53,7 @@ class Context:
     checkpoint_dir: Path | None = None
     val: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     bound_at: float = field(default_factory=time.perf_counter)  # when the worker took its device
+    step_share: list[int] | None = None  # tokens per rank of a trimmed step (None: ``shares`` × seq_len)
     busy_seconds: float = 0.0  # forward + backward (and any injected slow-down): what sets a rank's speed
     sequences_done: int = 0
 
@@ -83,25 +84,30 @@ class Context:
 
     @property
     def step_tokens(self) -> int:
-        return self.micro_batch * self.cfg.seq_len
+        """This rank's tokens in the current step."""
+        return self.tokens_of(self.rank)
 
     def share_of(self, rank: int) -> int:
         return self.shares[rank] if self.shares else self.micro_batch
+
+    def tokens_of(self, rank: int) -> int:
+        """``rank``'s tokens in the current step (its share of a full step, or of the trimmed last one)."""
+        return self.step_share[rank] if self.step_share is not None else self.share_of(rank) * self.cfg.seq_len
 
     def site_sequences(self, site: int) -> int:
         return sum(self.share_of(r) for r in self.groups.topology.ranks_of(site))
 
     @property
     def site_step_tokens(self) -> int:
-        return self.site_sequences(self.site) * self.cfg.seq_len
+        return sum(self.tokens_of(r) for r in self.groups.topology.ranks_of(self.site))
 
     def world_weight(self) -> tuple[int, int]:
         """This rank's gradient weight in a world average, as (numerator, denominator)."""
-        total = sum(self.share_of(r) for r in range(self.groups.world_size))
-        return self.micro_batch * self.groups.world_size, total
+        total = sum(self.tokens_of(r) for r in range(self.groups.world_size))
+        return self.step_tokens * self.groups.world_size, total
 
     def site_weight(self) -> tuple[int, int]:
-        return self.micro_batch * self.groups.site_size, self.site_sequences(self.site)
+        return self.step_tokens * self.groups.site_size, self.site_step_tokens
 
     def account(self, stats: Stats) -> None:
         self.timers.intra_bytes += stats.intra_bytes
@@ -159,7 +165,7 @@ def weigh(tensors: list[Tensor], weight: tuple[int, int]) -> None:
     batch count by the sequences they did (no-op when the shares are equal)."""
     num, den = weight
     if num != den:
-        torch._foreach_mul_(tensors, num / den)
+        torch._foreach_mul_(tensors, num / den if den else 0.0)
 
 
 def timed_barrier(ctx: Context, group: dist.ProcessGroup | None) -> None:
@@ -237,16 +243,29 @@ class Strategy:
     def before_step(self, step: int) -> None:
         """Hook for strategies that gate a step (ssp's staleness bound)."""
 
+    def plan_step(self, step: int) -> None:
+        """Each rank's tokens in ``step``: its share of the global batch, or of what is left of the budget
+        in the trimmed last step (:func:`~cpn.runtime.config.trim_shares`), so the job trains exactly
+        ``cfg.tokens``. The parameter-server family counts its budget at the servers (async_ps.py)."""
+        from cpn.runtime.strategies.async_ps import PS_STRATEGIES
+
+        ctx, cfg = self.ctx, self.cfg
+        tokens = cfg.step_tokens(step)
+        full = self.name in PS_STRATEGIES or tokens >= cfg.global_batch_tokens or tokens <= 0
+        world = range(ctx.groups.world_size)
+        ctx.step_share = None if full else trim_shares(tokens, [ctx.share_of(r) for r in world], cfg.seq_len)
+
     def set_lr(self, step: int) -> None:
         if not self.global_budget:
-            self.progress = step / self.cfg.total_steps
+            self.progress = self.cfg.tokens_through(step) / self.cfg.tokens
         lr = lr_at(self.cfg, self.progress)
         for group in self.opt.param_groups:
             group["lr"] = lr
 
     def after_backward(self, step: int) -> None:
         site_sync_grads(self.ctx)
-        self._inner_step()
+        if self.ctx.site_step_tokens:  # a site with no tokens in a trimmed step keeps its parameters
+            self._inner_step()
 
     def should_stop(self, step: int) -> bool:
         limit = self.cfg.total_steps if self.cfg.stop_at_step is None else min(self.cfg.total_steps, self.cfg.stop_at_step)

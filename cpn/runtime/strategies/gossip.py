@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cpn.runtime.config import trim_shares
 from cpn.runtime.device import HOST
 from cpn.runtime.strategies.base import (
     Context,
@@ -133,13 +134,30 @@ class Gossip(Strategy):
         self._live = list(range(ctx.num_sites))
         self._counted = 0
 
+    def plan_step(self, step: int) -> None:
+        """The site leader reserves its site's tokens of this step on the job-wide counter before the
+        step; the site that crosses the budget trains only what is left of it (trimmed as
+        :meth:`Strategy.plan_step` does), so the job trains exactly ``cfg.tokens``."""
+        ctx = self.ctx
+        ctx.step_share = None
+        want = ctx.site_step_tokens
+        reserved = self.budget.add(want) if ctx.is_leader else 0
+        granted = min(want, max(0, self.budget.total - (reserved - want)))
+        self.progress, stop, granted = site_values(ctx, min(reserved, self.budget.total) / self.budget.total,
+                                                   float(reserved >= self.budget.total), float(granted))
+        self.stop = bool(stop)
+        if int(granted) < want:
+            site = ctx.groups.topology.ranks_of(ctx.site)
+            share = trim_shares(int(granted), [ctx.share_of(r) for r in site], self.cfg.seq_len)
+            trimmed = [ctx.tokens_of(r) for r in range(ctx.groups.world_size)]
+            for r, n in zip(site, share, strict=True):
+                trimmed[r] = n
+            ctx.step_share = trimmed
+
     def after_backward(self, step: int) -> None:
         site_sync_grads(self.ctx)
-        self._inner_step()
-        site_tokens = self.ctx.site_step_tokens
-        spent = self.budget.add(site_tokens) if self.ctx.is_leader else 0
-        self.progress, stop = site_values(self.ctx, spent / self.budget.total, float(spent >= self.budget.total))
-        self.stop = bool(stop)
+        if self.ctx.site_step_tokens:
+            self._inner_step()
         if (step + 1) % self.H == 0 and not self.stop:
             self.exchange(step + 1)
 

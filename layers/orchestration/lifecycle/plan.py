@@ -43,11 +43,20 @@ def rank_offsets(topology: dict[str, Any], placement: list[dict[str, Any]]) -> d
     return first
 
 
-def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str | None) -> dict[str, Any]:
-    """The runtime's TrainConfig (as JSON) for this job. The global batch is rounded up to whole
-    sequences per worker, which the runtime requires, and the budget up to whole steps, so the run
-    trains at least what was asked and `Succeeded` means 100 % of what it says it trains; the quote
-    and the job's events state both numbers when they differ from the spec (`budget_note`)."""
+def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str | None,
+                 sites: int = 1) -> dict[str, Any]:
+    """The runtime's TrainConfig (as JSON) for this job. The run trains exactly ``spec.tokens``: whole
+    global batches, then a last step trimmed to what is left (the runtime does it, see
+    ``TrainConfig.step_tokens``), so `Succeeded` means 100 % of what was asked. The global batch is
+    rounded up to whole sequences, at least one per worker (ranks take ⌊B/N⌋ or ⌈B/N⌉ of them); the
+    quote and the job's events say so when it differs from the spec (`budget_note`).
+
+    Strategy knobs the spec leaves unset stay unset (None): the runtime's autotune chooses them from
+    the budget, the sites and the link (``cpn.runtime.autotune``), as for ``cpn train``. The
+    parameter-server strategies get one server per site (``ps = sites``), the layout the compute
+    model prices (``layers.orchestration.planning.perf``)."""
+    from cpn.runtime.strategies.async_ps import PS_STRATEGIES
+
     preset = spec.model.preset if not isinstance(spec.model, str) else spec.model  # type: ignore[union-attr]
     if spec.code is not None:  # the user's code builds its model; the runtime's config only counts units
         preset, seq_len = "tiny", CODE_UNIT
@@ -56,17 +65,19 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
                          f"use one of {sorted(RUNNABLE_PRESETS)}")
     else:
         seq_len = MODEL_PRESETS[preset]["seqLen"]
-    unit = seq_len * workers
-    batch = max(unit, -(-spec.global_batch_tokens // unit) * unit)
-    steps = max(1, -(-spec.tokens // batch))
-    tokens = steps * batch
-    inner = max(1, min(spec.inner_steps, steps))
+    batch = max(seq_len * workers, -(-spec.global_batch_tokens // seq_len) * seq_len)
+    steps = -(-spec.tokens // batch)
+    knobs = {"inner_steps": None if spec.inner_steps is None else max(1, min(spec.inner_steps, steps)),
+             "compression": spec.compression or "auto", "overlap": spec.overlap}
+    if knobs["overlap"] and strategy not in ("diloco", "local_sgd"):
+        knobs["overlap"] = False
     cfg: dict[str, Any] = {
-        "model": preset, "tokens": tokens, "global_batch_tokens": batch, "seq_len": seq_len,
-        "strategy": {"name": strategy, "inner_steps": inner, "compression": spec.compression,
-                     "overlap": spec.overlap and strategy in ("diloco", "local_sgd"), "staleness": spec.staleness},
+        "model": preset, "tokens": spec.tokens, "global_batch_tokens": batch, "seq_len": seq_len,
+        "strategy": {"name": strategy, **knobs, "staleness": spec.staleness,
+                     **({"ps": min(sites, workers)} if strategy in PS_STRATEGIES else {})},
         "val_every": max(1, steps // 10), "seed": 0,
-        "checkpoint_every": inner if strategy in ELASTIC else max(1, steps // 5),
+        # elastic strategies: often (a lost site rejoins from the latest); diloco rounds up to outer steps
+        "checkpoint_every": (knobs["inner_steps"] or max(1, steps // 20)) if strategy in ELASTIC else max(1, steps // 5),
     }
     if resume:
         cfg["resume"] = resume
@@ -84,7 +95,7 @@ def attempt_plan(spec: TrainingJobSpec, strategy: str, placement: list[dict[str,
 
     topo = topology_for(placement, ring, links)
     workers = sum(site["ranks"] for site in topo["sites"])
-    train = train_config(spec, strategy, workers, resume)
+    train = train_config(spec, strategy, workers, resume, sites=len(topo["sites"]))
     config = TrainConfig.model_validate(train)
     config.sequences_per_worker(workers)
     preflight(config, Topology.model_validate(topo))
@@ -92,11 +103,12 @@ def attempt_plan(spec: TrainingJobSpec, strategy: str, placement: list[dict[str,
 
 
 def budget_note(spec: TrainingJobSpec, train: dict[str, Any]) -> str | None:
-    """What the run trains, said in the user's terms when it is not exactly what the spec asked."""
+    """What the run trains, said in the user's terms when its batch is not what the spec asked."""
     batch, tokens = int(train["global_batch_tokens"]), int(train["tokens"])
     if batch == spec.global_batch_tokens and tokens == spec.tokens:
         return None
-    steps = f"{tokens // batch:,} steps × {batch:,}"
+    full, last = divmod(tokens, batch)
+    steps = f"{full:,} steps × {batch:,}" + (f" and a last step of {last:,}" if last else "")
     if batch != spec.global_batch_tokens:
-        steps += f" (batch of whole {train['seq_len']}-token sequences per worker)"
+        steps += f" (batch of whole {train['seq_len']}-token sequences, at least one per worker)"
     return f"trains {tokens:,} tokens: {steps}"
