@@ -2,16 +2,22 @@
 them, relays their metrics to the API, keeps the job's checkpoints in the API's blob store, and
 writes `status.json` for the site agent to report.
 
-It is what the `local` site driver starts (detached, so it outlives an agent restart). It knows
-nothing of the database: its input is the attempt contract in RUN_DIR/spec.json, its outputs
-`status.json`, the rank logs in RUN_DIR/site-<i>/, metric batches and checkpoint files sent to the
-API with the per-attempt worker token.
+One runner, two places. The `local` site driver starts it detached on the agent's machine, so it
+outlives an agent restart. The `kubernetes` driver runs it as each pod's command, for the ranks of
+that pod only (``--pod-index``, ``--ranks-per-pod``), reading the contract from the Secret mounted in
+the pod; there it also copies every worker's output to its own stdout, each line prefixed with the
+worker's global rank (:mod:`cpn.runtime.ranklog`), so the pod's log carries them, and exits with the first
+failed worker's code. Either way it knows nothing of the database: its input is the attempt
+contract, its outputs `status.json`, the rank logs in RUN_DIR/site-<i>/, metric batches, checkpoint
+files and the final weights sent to the API with the per-attempt worker token.
 
-    python -m cpn.runtime.jobrunner RUN_DIR
+    python -m cpn.runtime.jobrunner RUN_DIR                     # contract in RUN_DIR/spec.json
+    python -m cpn.runtime.jobrunner RUN_DIR --contract PATH --job-dir DIR --pod-index I --ranks-per-pod N
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,15 +25,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
 from cpn.runtime import bundle, checkpoint
 from cpn.runtime.contract import ENV, AttemptSpec, worker_env
+from cpn.runtime.ranklog import rank_prefix
 
 FINAL_MODEL = "final_model.pt"  # what rank 0 writes at the end (cpn.runtime.train and cpn.train)
 DONE_MARK = ".cpn-bundle"
@@ -44,6 +52,7 @@ class Worker:
     proc: subprocess.Popen[bytes]
     log: Path
     exit_code: int | None = None
+    tee: threading.Thread | None = None
 
 
 def _client(spec: AttemptSpec) -> httpx.Client | None:
@@ -195,7 +204,10 @@ def push_final(spec: AttemptSpec, run_dir: Path, client: httpx.Client | None) ->
     return True
 
 
-def _start(spec: AttemptSpec, run_dir: Path, ckpt: Path, code: Path | None = None) -> list[Worker]:
+def _start(spec: AttemptSpec, run_dir: Path, ckpt: Path, code: Path | None = None,
+           tee: bool = False) -> list[Worker]:
+    """One process per rank of `spec`, with :func:`worker_env`'s environment; with `tee` their output
+    also goes to this process's stdout, prefixed with the rank (a pod's log)."""
     log_dir = run_dir / f"site-{spec.site_index}"
     log_dir.mkdir(parents=True, exist_ok=True)
     workers = []
@@ -205,10 +217,29 @@ def _start(spec: AttemptSpec, run_dir: Path, ckpt: Path, code: Path | None = Non
                          extra={ENV.CODE_DIR: str(code)} if code is not None else None)
         log_path = log_dir / f"rank{rank}.log"
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=str(run_dir))
-        workers.append(Worker(rank, proc, log_path))
+            proc = subprocess.Popen([sys.executable, "-m", module], env=env,
+                                    stdout=subprocess.PIPE if tee else log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=str(run_dir))
+        worker = Worker(rank, proc, log_path)
+        if tee:
+            assert proc.stdout is not None
+            worker.tee = threading.Thread(target=_tee, args=(proc.stdout, log_path, rank_prefix(rank)), daemon=True)
+            worker.tee.start()
+        workers.append(worker)
     return workers
+
+
+_STDOUT = threading.Lock()
+
+
+def _tee(stream: IO[bytes], log_path: Path, prefix: str) -> None:
+    with stream, open(log_path, "ab") as log:
+        for line in iter(stream.readline, b""):
+            log.write(line)
+            log.flush()
+            with _STDOUT:
+                sys.stdout.buffer.write(prefix.encode() + line)
+                sys.stdout.buffer.flush()
 
 
 def _state(workers: list[Worker]) -> tuple[str, str]:
@@ -252,16 +283,18 @@ def _prepare(spec: AttemptSpec, sync: CheckpointSync) -> tuple[AttemptSpec, str]
     return spec.model_copy(update={"train": train}), f"resuming from the checkpoint of step {step}"
 
 
-def supervise(spec: AttemptSpec, run_dir: Path) -> str:
-    """Run the sub-task to its end; returns the runner's final phase."""
+def supervise(spec: AttemptSpec, run_dir: Path, job_dir: Path | None = None, *, tee: bool = False) -> int:
+    """Run the sub-task (or a pod's share of it) to its end. Returns the exit code a container
+    reports for it: 0 when every worker succeeded, else the first failed worker's (128+N for signal N)."""
     client = _client(spec)
-    ckpt = run_dir.parent.parent / "checkpoints"
+    job_dir = job_dir or run_dir.parent.parent  # local: one folder per job, shared by its attempts
+    ckpt = job_dir / "checkpoints"
     sync = CheckpointSync(ckpt, spec, client)
     spec, note = _prepare(spec, sync)
     if note:
         print(note, flush=True)
-    code = fetch_code(spec, run_dir.parent.parent, client)
-    workers = _start(spec, run_dir, ckpt, code)
+    code = fetch_code(spec, job_dir, client)
+    workers = _start(spec, run_dir, ckpt, code, tee=tee)
     relay = Relay(run_dir, spec, client)
     stop: dict[str, str | None] = {"why": None}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(why="Cancelled"))
@@ -289,6 +322,9 @@ def supervise(spec: AttemptSpec, run_dir: Path) -> str:
         if done:
             break
         time.sleep(POLL_SECONDS)
+    for w in workers:
+        if w.tee is not None:
+            w.tee.join(timeout=5)
     for _ in range(5):
         relay.collect()
         relay.flush()
@@ -302,23 +338,67 @@ def supervise(spec: AttemptSpec, run_dir: Path) -> str:
             push_final(spec, run_dir, client)
         except (httpx.HTTPError, OSError) as exc:
             print(f"final weights upload failed: {exc}", file=sys.stderr, flush=True)
-    return runner
+    return exit_code(workers, runner)
+
+
+def exit_code(workers: list[Worker], runner: str = "Running") -> int:
+    """A container's exit code for these workers, as torchrun would report it."""
+    bad = next((w.exit_code for w in workers if w.exit_code not in (None, 0)), None)
+    if bad is not None:
+        return 128 - bad if bad < 0 else min(bad, 255)
+    return 0 if runner == "Running" else 143  # cancelled or timed out before any worker failed
+
+
+def pod_share(spec: AttemptSpec, index: int, ranks_per_pod: int) -> AttemptSpec:
+    """The ranks of pod `index` of a sub-task run as `ranks_per_pod` ranks per pod."""
+    if ranks_per_pod < 1 or index < 0 or (index + 1) * ranks_per_pod > spec.workers:
+        raise ValueError(f"pod {index} of {ranks_per_pod} ranks is outside sub-task {spec.subtask} "
+                         f"({spec.workers} ranks)")
+    return AttemptSpec.model_validate({**spec.model_dump(), "first_rank": spec.first_rank + index * ranks_per_pod,
+                                       "workers": ranks_per_pod})
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cpn.runtime.jobrunner",
+                                     description="Run one sub-task of a job attempt at this site.")
+    parser.add_argument("run_dir", type=Path, help="where status.json, the rank logs and metrics go")
+    parser.add_argument("--contract", type=Path, help="the attempt contract [RUN_DIR/spec.json]")
+    parser.add_argument("--job-dir", type=Path, help="checkpoints and code bundles [RUN_DIR/../..]")
+    parser.add_argument("--pod-index", type=int, help="in a Kubernetes pod: its completion index")
+    parser.add_argument("--ranks-per-pod", type=int, help="with --pod-index: ranks in each pod of the sub-task")
+    parser.add_argument("--termination-log", type=Path, help="write the outcome here too (a pod's termination message)")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    if len(args) != 1:
-        print("usage: python -m cpn.runtime.jobrunner RUN_DIR", file=sys.stderr)
+    args = _parser().parse_args(argv)
+    run_dir: Path = args.run_dir
+    pod = args.pod_index is not None
+    if pod != (args.ranks_per_pod is not None):
+        print("--pod-index and --ranks-per-pod go together", file=sys.stderr)
         return 2
-    run_dir = Path(args[0])
+    run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        spec = AttemptSpec.model_validate_json((run_dir / "spec.json").read_text())
+        spec = AttemptSpec.model_validate_json((args.contract or run_dir / "spec.json").read_text())
+        if pod:
+            spec = pod_share(spec, args.pod_index, args.ranks_per_pod)
         _write_status(run_dir, {"phase": "Starting", "subtask": {"phase": "Launching"}})
-        supervise(spec, run_dir)
+        code = supervise(spec, run_dir, args.job_dir, tee=pod)
     except Exception as exc:  # noqa: BLE001 - report, never leave the agent guessing
-        _write_status(run_dir, {"phase": "Error", "message": f"{type(exc).__name__}: {exc}"})
+        message = f"{type(exc).__name__}: {exc}"
+        _write_status(run_dir, {"phase": "Error", "message": message})
+        print(f"job runner: {message}", file=sys.stderr, flush=True)
+        _termination(args.termination_log, message)
         return 1
-    return 0
+    status = json.loads((run_dir / "status.json").read_text())
+    _termination(args.termination_log, status.get("message") or "")
+    return code if pod else 0  # the local driver reads status.json; a pod's exit code is its report
+
+
+def _termination(path: Path | None, message: str) -> None:
+    if path is not None and message:
+        with contextlib.suppress(OSError):
+            path.write_text(message[:4000])
 
 
 if __name__ == "__main__":

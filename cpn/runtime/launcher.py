@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import importlib
 import os
 import pickle
+import random
 import signal
 import socket
 import subprocess
@@ -35,9 +37,11 @@ from cpn.runtime.contract import torchrun_env  # the one builder of the torchrun
 from cpn.runtime.netem import WanEmulator
 from cpn.runtime.topology import Topology
 
-__all__ = ["LaunchError", "LaunchTimeout", "WorkerFailed", "WorkerResult", "free_port", "launch"]
+__all__ = ["ENV_PORT_RANGE", "LaunchError", "LaunchTimeout", "PortRange", "WorkerFailed", "WorkerResult",
+           "agent_port_range", "free_port", "launch"]
 
 ENV_SPEC = "CPN_LAUNCH_SPEC"
+ENV_PORT_RANGE = "CPN_AGENT_PORT_RANGE"  # LO-HI: the agent's --port-range, read by its work loop and drivers
 ENV_RESULT = "CPN_LAUNCH_RESULT"
 _PR_SET_PDEATHSIG = 1
 
@@ -71,11 +75,54 @@ class WorkerResult:
         return self.exit_code == 0
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for MASTER_PORT)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True)
+class PortRange:
+    """The TCP ports a site opens between sites (`cpn agent --port-range LO-HI`), inclusive."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.low <= self.high <= 65535:
+            raise ValueError(f"port range {self.low}-{self.high}: write LO-HI with 1024 <= LO <= HI <= 65535, "
+                             "e.g. 29400-29499")
+
+    @classmethod
+    def parse(cls, text: str) -> PortRange:
+        low, sep, high = text.strip().partition("-")
+        if not (sep and low.strip().isdigit() and high.strip().isdigit()):
+            raise ValueError(f"port range {text!r}: write LO-HI, e.g. 29400-29499")
+        return cls(int(low), int(high))
+
+    def __str__(self) -> str:
+        return f"{self.low}-{self.high}"
+
+
+def agent_port_range(environ: Mapping[str, str] | None = None) -> PortRange | None:
+    """The range `cpn agent --port-range` set for this agent and its runners (None: any free port)."""
+    raw = (os.environ if environ is None else environ).get(ENV_PORT_RANGE)
+    return PortRange.parse(raw) if raw else None
+
+
+def free_port(port_range: PortRange | None = None) -> int:
+    """A TCP port nobody listens on right now (for MASTER_PORT): any, or one of `port_range`, tried
+    from a random place so that agents sharing a range rarely pick the same one. OSError when every
+    port of the range is taken (the agent retries later)."""
+    if port_range is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+    size = port_range.high - port_range.low + 1
+    start = random.randrange(size)
+    for i in range(size):
+        port = port_range.low + (start + i) % size
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(errno.EADDRINUSE, f"no free TCP port in --port-range {port_range}")
 
 
 def _entry_ref(entrypoint: Callable[..., Any] | str) -> str:

@@ -1,16 +1,20 @@
 """The `kubernetes` driver: runs one sub-task of a job attempt as an Indexed Job on the site's own
-Kubernetes, one pod per node, torchrun in each pod for the sub-task's ranks on that node. The site
-agent builds it (`cpn agent --kubeconfig PATH [--context C]`) and it talks to that cluster only;
-the API server never calls a site's Kubernetes API.
+Kubernetes, one pod per node. Each pod runs the same job runner as the `local` driver
+(:mod:`cpn.runtime.jobrunner`) for its share of the sub-task's ranks, so both kinds of site behave
+alike: the runner reads the contract from the mounted Secret, fetches, verifies and unpacks the
+user's code bundle (``spec.code``), resumes from the newest complete checkpoint in the server's blob
+store (or starts cleanly and says so), copies every new checkpoint there, relays metrics with the
+per-attempt worker token and uploads the final weights. The site agent builds the driver
+(`cpn agent --kubeconfig PATH [--context C]`) and it talks to that cluster only; the API server
+never calls a site's Kubernetes API.
 
 Per (job, attempt, sub-task) it creates three objects under one deterministic name:
 
-    Secret   the whole attempt contract (`spec.json`; it holds the worker token) and the token alone
-             (`worker-token`). Pods mount the contract at /var/run/cpn/spec.json and read the token
-             through `secretKeyRef`: it is never in the Job spec, never on a command line.
-    Service  headless, selecting the Job's pods: pod 0 is `<name>-0.<name>.<ns>.svc`, where torchrun's
-             rendezvous among this sub-task's pods meets. The sub-task holding global rank 0 also
-             publishes the job-wide rendezvous port on it.
+    Secret   the whole attempt contract (`spec.json`; it holds the worker token), mounted read-only
+             at /var/run/cpn/spec.json: the token is never in the Job spec, the environment or a
+             command line.
+    Service  headless, selecting the Job's pods (they are `<name>-<i>.<name>.<ns>.svc`); the
+             sub-task holding global rank 0 publishes the job-wide rendezvous port on it.
     Job      completionMode Indexed, completions = parallelism = pods, backoffLimit 0
 
 The Job is created last: once it exists the launch has happened, and launching the same key again
@@ -19,10 +23,12 @@ with it. Every object carries `cpn.io/job`, `cpn.io/attempt`, `cpn.io/subtask`, 
 and managed-by=cpn: a restarted agent finds its Jobs by label and reads each contract back from
 its Secret (:meth:`KubernetesDriver.adopt`).
 
-Ranks: torchrun numbers the sub-task's ranks from 0, pod by pod; `CPN_RANK_OFFSET` carries the
-sub-task's first global rank and :func:`cpn.runtime.siteenv.globalise` turns torchrun's numbers
-into CPN's and points MASTER_ADDR/PORT at the job-wide rendezvous. The container environment is
-:func:`cpn.runtime.contract.worker_env` without the variables torchrun sets per process.
+Ranks: pod `i` runs global ranks ``first_rank + i*R .. first_rank + (i+1)*R - 1`` (R ranks per
+pod, the `--ranks-per-pod` of its command), each a process with :func:`cpn.runtime.contract.worker_env`'s
+environment, built inside the pod from the contract: the same function the local runner uses. No
+torchrun: every worker meets the others directly at the job-wide store. The pod's log carries each
+worker's lines prefixed `[rank<global rank>]:`; the pod's exit code is its first failed worker's,
+and its termination message the runner's last word (the failure, or how it resumed).
 
 Rendezvous across sites, and its limits. The job-wide store is at `spec.rendezvous` — the address
 the first site's agent advertised, never a cluster-local `.svc` name — so sub-tasks on different
@@ -31,13 +37,15 @@ that store on `spec.rendezvous.port` inside its pod; the driver publishes that p
 container and on the headless Service, without hostNetwork. Routing the advertised address to it
 is the provider's part: run the agent with `--advertise-address` naming a LoadBalancer, NodePort
 or gateway that forwards the port to pod 0 (select `batch.kubernetes.io/job-name=<name>` and
-`batch.kubernetes.io/job-completion-index=0`); since the agent picks the port per attempt, such a
-route must forward a port range or be set up per attempt. The collectives (Gloo, NCCL) then connect
-pod to pod on the addresses the pods register in that store, so pods of different clusters must
-reach each other's pod IPs (a flat or meshed pod network: Submariner, Cilium Cluster Mesh, …);
-behind NAT they cannot, and the attempt fails at its first collective, reported as a failed
-sub-task. `NCCL_SOCKET_IFNAME`/`GLOO_SOCKET_IFNAME` name the pod's interface (`eth0` unless
-configured). Checkpoints go to an emptyDir and live as long as the pod.
+`batch.kubernetes.io/job-completion-index=0`); with `--port-range LO-HI` the agent picks that port
+from one range, so one route (or firewall rule) serves every attempt, and the pods' own ephemeral
+ports (where Gloo and NCCL listen) come from the same range (the namespaced, Kubernetes-safe sysctl
+`net.ipv4.ip_local_port_range`). The collectives then connect pod to pod on the addresses the pods
+register in that store, so pods of different clusters must reach each other's pod IPs (a flat or
+meshed pod network: Submariner, Cilium Cluster Mesh, …); behind NAT they cannot, and the attempt
+fails at its first collective, reported as a failed sub-task. `NCCL_SOCKET_IFNAME` /
+`GLOO_SOCKET_IFNAME` name the pod's interface (`eth0` unless configured). The pod's working
+directory (checkpoints, code) is an emptyDir; what outlives the pod is in the server's blob store.
 
 The kubernetes client is synchronous; the driver calls it in a thread. Its errors become
 :class:`DriverError` here, at the edge.
@@ -66,31 +74,29 @@ from kubernetes.client.exceptions import ApiException, OpenApiException
 from kubernetes.config.config_exception import ConfigException
 from pydantic import ValidationError
 
-from cpn.runtime.config import ENV_METRICS_URL
-from cpn.runtime.contract import ENV, AttemptSpec, torchrun_env, worker_env
-from cpn.runtime.siteenv import ENV_MASTER_ADDR, ENV_MASTER_PORT
+from cpn.runtime.contract import AttemptSpec
+from cpn.runtime.launcher import PortRange, agent_port_range
+from cpn.runtime.ranklog import RANK_LINE
 from layers.resource.discovery.kubernetes import GPU_RESOURCE
 from layers.resource.drivers.base import DriverError, LogLine, SubtaskState
 
 __all__ = ["KubernetesDriver", "PodSettings", "Shape", "container_env", "job_manifest", "launch_key",
-           "resource_name", "secret_manifest", "service_manifest", "shape"]
+           "resource_name", "runner_command", "secret_manifest", "service_manifest", "shape"]
 
 log = logging.getLogger("cpn.agent.kubernetes")
 
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}  # tainted GPU nodes
-RDZV_PORT = 29400  # torchrun's rendezvous among one sub-task's pods
 CONTAINER = "trainer"
 TTL_SECONDS = 24 * 3600
 REQUEST_TIMEOUT = 15.0
 MAX_NAME = 52  # pod hostnames are `<job name>-<index>`, a 63-character DNS label
 MAX_LOG_BYTES = 256 * 1024  # per pod and poll: a chatty worker cannot flood the agent's report
 CONTRACT_DIR = "/var/run/cpn"
-SPEC_KEY, TOKEN_KEY = "spec.json", "worker-token"
-WORK_DIR = "/var/lib/cpn"
-RUN_DIR, CHECKPOINT_DIR = f"{WORK_DIR}/run", f"{WORK_DIR}/checkpoints"
-LOG_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"  # torchrun's per-process line prefix (with --tee)
-LOG_PREFIX = "[rank${rank}]:"  # torchrun's ${rank}: the rank within the sub-task
-LOG_LINE = re.compile(r"\[rank(\d+)\]:\s?(.*)")
+SPEC_KEY = "spec.json"
+WORK_DIR = "/var/lib/cpn"  # the runner's job directory: checkpoints/, code/<digest>/
+RUN_DIR = f"{WORK_DIR}/run"
+TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
+PORT_RANGE_SYSCTL = "net.ipv4.ip_local_port_range"  # namespaced and "safe": allowed in any pod
 NCCL_DEFAULTS = {"NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # a dead peer raises, not hangs
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # set on the pods by the Job controller
@@ -140,6 +146,7 @@ class PodSettings:
     socket_ifname: str = "eth0"
     nccl_env: Mapping[str, str] | None = None
     queue: str | None = None  # a Kueue LocalQueue; no label without one
+    port_range: PortRange | None = None  # the pods' ephemeral ports (Gloo's, NCCL's) from this range
 
 
 @dataclass(frozen=True)
@@ -151,20 +158,10 @@ class Shape:
 
 def shape(workers: int, gpus_per_node: int, cpu_ranks_per_pod: int = 1) -> Shape:
     """Pods for the sub-task's ranks: the most ranks per pod that divide them evenly and fit a node's
-    GPUs (or `cpu_ranks_per_pod` on a cluster without GPUs), so nnodes × nproc-per-node = workers."""
+    GPUs (or `cpu_ranks_per_pod` on a cluster without GPUs), so pods × ranks per pod = workers."""
     fit = gpus_per_node or cpu_ranks_per_pod
     per_pod = max(n for n in range(1, min(max(fit, 1), workers) + 1) if workers % n == 0)
     return Shape(workers // per_pod, per_pod, per_pod if gpus_per_node else 0)
-
-
-def _pod0(name: str, namespace: str) -> str:
-    """Pod 0 of an Indexed Job (hostname `<job>-0`) through the headless Service of the same name."""
-    return f"{name}-0.{name}.{namespace}.svc"
-
-
-def _local_port(spec: AttemptSpec) -> int:
-    """torchrun's port among the sub-task's pods; never the job-wide one, which pod 0 may serve too."""
-    return RDZV_PORT + 1 if spec.rendezvous is not None and spec.rendezvous.port == RDZV_PORT else RDZV_PORT
 
 
 def labels(spec: AttemptSpec) -> dict[str, str]:
@@ -178,14 +175,14 @@ def _metadata(spec: AttemptSpec, namespace: str) -> dict[str, Any]:
 
 
 def _ports(spec: AttemptSpec) -> list[tuple[str, int]]:
-    ports = [("rdzv", _local_port(spec))]
+    """Only the lead sub-task serves a port: the job-wide store, on its pod 0."""
     if spec.leads_rendezvous and spec.rendezvous is not None:
-        ports.append(("master", spec.rendezvous.port))
-    return ports
+        return [("master", spec.rendezvous.port)]
+    return []
 
 
 def service_manifest(spec: AttemptSpec, namespace: str) -> dict[str, Any]:
-    """Headless, and publishing pods before they are ready, so torchrun's peers resolve at once."""
+    """Headless, and publishing pods before they are ready, so their names resolve at once."""
     name = resource_name(launch_key(spec))
     return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(spec, namespace),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {JOB_NAME_LABEL: name},
@@ -193,11 +190,9 @@ def service_manifest(spec: AttemptSpec, namespace: str) -> dict[str, Any]:
 
 
 def secret_manifest(spec: AttemptSpec, namespace: str) -> dict[str, Any]:
-    data = {SPEC_KEY: spec.model_dump_json()}
-    if spec.worker_token:
-        data[TOKEN_KEY] = spec.worker_token
+    """The contract, token included: the pod's job runner reads it from the mounted file."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": _metadata(spec, namespace),
-            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+            "data": {SPEC_KEY: base64.b64encode(spec.model_dump_json().encode()).decode()}}
 
 
 def _network_env(settings: PodSettings, gpus: int) -> dict[str, str]:
@@ -208,37 +203,32 @@ def _network_env(settings: PodSettings, gpus: int) -> dict[str, str]:
 
 
 def container_env(spec: AttemptSpec, settings: PodSettings, gpus: int) -> list[dict[str, Any]]:
-    """The pod's environment: the worker's (one source, :func:`worker_env`) minus what torchrun sets
-    per process, plus the rank offset, the job-wide rendezvous, the network, and the token by reference."""
+    """The runner's environment: the pod's completion index and the network. The workers' own
+    environment the runner builds in the pod from the contract (:func:`cpn.runtime.contract.worker_env`),
+    as the local runner does; the worker token stays in the mounted contract."""
     if spec.rendezvous is None:
         raise DriverError(f"{launch_key(spec)}: the contract has no rendezvous endpoint yet")
-    plain = worker_env(spec, spec.first_rank, run_dir=RUN_DIR, checkpoint_dir=CHECKPOINT_DIR, base={})
-    per_process = set(torchrun_env(spec.topology, spec.first_rank, 0, 1, "-", 1)) - set(spec.topology.to_env())
-    plain = {k: v for k, v in plain.items() if k not in per_process and k != "PYTHONPATH"}  # the image has its own
-    plain |= {ENV.RANK_OFFSET: str(spec.first_rank), ENV_MASTER_ADDR: spec.rendezvous.host,
-              ENV_MASTER_PORT: str(spec.rendezvous.port), LOG_PREFIX_ENV: LOG_PREFIX, **_network_env(settings, gpus)}
-    if spec.metrics_url:
-        plain[ENV_METRICS_URL] = spec.metrics_url
     env: list[dict[str, Any]] = [  # first, so that $(JOB_COMPLETION_INDEX) expands in the command
         {"name": "JOB_COMPLETION_INDEX",
          "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}}]
-    env += [{"name": k, "value": v} for k, v in plain.items()]
-    if spec.worker_token:
-        env.append({"name": ENV.METRICS_TOKEN, "valueFrom": {"secretKeyRef": {
-            "name": resource_name(launch_key(spec)), "key": TOKEN_KEY}}})
-    return env
+    plain = {"PYTHONUNBUFFERED": "1", **_network_env(settings, gpus)}
+    return env + [{"name": k, "value": v} for k, v in plain.items()]
 
 
-def _container(spec: AttemptSpec, namespace: str, pods: Shape, settings: PodSettings) -> dict[str, Any]:
-    name = resource_name(launch_key(spec))
-    command = ["torchrun", "--nnodes", str(pods.pods), "--nproc-per-node", str(pods.ranks_per_pod),
-               "--node-rank", "$(JOB_COMPLETION_INDEX)", "--master-addr", _pod0(name, namespace),
-               "--master-port", str(_local_port(spec)), "--tee", "3", "-m", "cpn.runtime.train"]
+def runner_command(pods: Shape) -> list[str]:
+    """The pod's command: the job runner for pod $(JOB_COMPLETION_INDEX)'s share of the sub-task."""
+    return ["python", "-m", "cpn.runtime.jobrunner", RUN_DIR, "--contract", f"{CONTRACT_DIR}/{SPEC_KEY}",
+            "--job-dir", WORK_DIR, "--pod-index", "$(JOB_COMPLETION_INDEX)", "--ranks-per-pod",
+            str(pods.ranks_per_pod), "--termination-log", TERMINATION_LOG]
+
+
+def _container(spec: AttemptSpec, pods: Shape, settings: PodSettings) -> dict[str, Any]:
     resources = ({"limits": {GPU_RESOURCE: str(pods.gpus_per_pod)}} if pods.gpus_per_pod
                  else {"requests": {"cpu": str(pods.ranks_per_pod)}})
-    return {"name": CONTAINER, "image": settings.image, "command": command,
+    return {"name": CONTAINER, "image": settings.image, "command": runner_command(pods),
             "env": container_env(spec, settings, pods.gpus_per_pod),
             "ports": [{"name": n, "containerPort": p} for n, p in _ports(spec)], "resources": resources,
+            "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                              {"name": "contract", "mountPath": CONTRACT_DIR, "readOnly": True},
                              {"name": "work", "mountPath": WORK_DIR}]}
@@ -254,13 +244,16 @@ def job_manifest(spec: AttemptSpec, namespace: str, pods: Shape, settings: PodSe
     pod_spec: dict[str, Any] = {
         "subdomain": name, "restartPolicy": "Never", "enableServiceLinks": False,
         "automountServiceAccountToken": False,  # workers never call the Kubernetes API
-        "containers": [_container(spec, namespace, pods, settings)],
+        "containers": [_container(spec, pods, settings)],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}},
                     {"name": "contract", "secret": {"secretName": name, "defaultMode": 0o400,
                                                     "items": [{"key": SPEC_KEY, "path": SPEC_KEY}]}},
                     {"name": "work", "emptyDir": {}}]}
     if pods.gpus_per_pod:
         pod_spec["tolerations"] = [GPU_TOLERATION]
+    if settings.port_range is not None:
+        pod_spec["securityContext"] = {"sysctls": [{"name": PORT_RANGE_SYSCTL, "value":
+                                                    f"{settings.port_range.low} {settings.port_range.high}"}]}
     template = {"metadata": {"labels": {**labels(spec), POD_GROUP_LABEL: name},
                              "annotations": {VOLCANO_GROUP: name, LAUNCH_KEY: launch_key(spec)}},
                 "spec": pod_spec}
@@ -330,7 +323,7 @@ def _condition(job: Any, kind: str) -> Any:
 
 
 def _exit_codes(spec: AttemptSpec, pods: list[tuple[int, Any]], per_pod: int) -> dict[str, int]:
-    """Each terminated pod's exit code (torchrun's, for all of its ranks), keyed by global rank."""
+    """Each terminated pod's exit code (its runner's, for all of its ranks), keyed by global rank."""
     codes = {}
     for index, pod in pods:
         for cs in (pod.status.container_statuses if pod.status else None) or []:
@@ -338,6 +331,16 @@ def _exit_codes(spec: AttemptSpec, pods: list[tuple[int, Any]], per_pod: int) ->
                 first = spec.first_rank + index * per_pod
                 codes |= {str(rank): cs.state.terminated.exit_code for rank in range(first, first + per_pod)}
     return codes
+
+
+def _last_words(pods: list[tuple[int, Any]]) -> str:
+    """The termination message of the first pod whose runner failed (which rank, and why)."""
+    for _, pod in pods:
+        for cs in (pod.status.container_statuses if pod.status else None) or []:
+            done = cs.state.terminated if cs.name == CONTAINER and cs.state else None
+            if done is not None and done.exit_code and done.message:
+                return f"{pod.metadata.name}: {done.message.strip()[-500:]}"
+    return ""
 
 
 def job_state(spec: AttemptSpec, job: Any, pods: list[tuple[int, Any]], *, cancelled: bool = False) -> SubtaskState:
@@ -354,7 +357,8 @@ def job_state(spec: AttemptSpec, job: Any, pods: list[tuple[int, Any]], *, cance
     failed = _condition(job, "Failed")
     if failed or (status and status.failed) or "Failed" in phases.values():
         why = f"{failed.reason}: {failed.message}" if failed else "a worker pod failed"
-        return SubtaskState("Failed", f"{why}; pods: {listing}", codes)
+        said = _last_words(pods)
+        return SubtaskState("Failed", f"{why}; pods: {listing}" + (f"; {said}" if said else ""), codes)
     running = sum(1 for phase in phases.values() if phase == "Running")
     if running:
         return SubtaskState("Running", f"{running}/{completions} pods running: {listing}", codes)
@@ -377,8 +381,9 @@ class KubernetesDriver:
     def __init__(self, kubeconfig: Path | None = None, context: str | None = None, namespace: str = "default",
                  image: str | None = None, *, gpus_per_node: int | None = None, socket_ifname: str = "eth0",
                  nccl_env: Mapping[str, str] | None = None, queue: str | None = None,
-                 cpu_ranks_per_pod: int = 1):
+                 cpu_ranks_per_pod: int = 1, port_range: PortRange | None = None):
         self.kubeconfig, self.context, self.namespace, self.image = kubeconfig, context, namespace, image
+        self.port_range = port_range or agent_port_range()  # default: the agent's --port-range
         self.gpus_per_node = gpus_per_node  # None: read from the nodes at the first launch
         self.socket_ifname, self.nccl_env, self.queue = socket_ifname, dict(nccl_env or {}), queue
         self.cpu_ranks_per_pod = cpu_ranks_per_pod
@@ -453,7 +458,8 @@ class KubernetesDriver:
         if not image:
             raise DriverError(f"{launch_key(spec)}: no container image: give the job an image or the agent one",
                               field="image")
-        return PodSettings(image=image, socket_ifname=self.socket_ifname, nccl_env=self.nccl_env, queue=self.queue)
+        return PodSettings(image=image, socket_ifname=self.socket_ifname, nccl_env=self.nccl_env, queue=self.queue,
+                           port_range=self.port_range)
 
     def _launch(self, spec: AttemptSpec) -> dict[str, Any]:
         key, namespace = launch_key(spec), self.namespace
@@ -561,10 +567,10 @@ def _whole_lines(text: str) -> str:
 
 
 def _rank_line(spec: AttemptSpec, pod_rank: int, line: str) -> LogLine:
-    """torchrun prefixes each worker's line with its rank in the sub-task; its own lines go to the pod's first."""
-    m = LOG_LINE.fullmatch(line)
-    if m and spec.first_rank + int(m[1]) in spec.ranks:
-        return LogLine(spec.first_rank + int(m[1]), m[2])
+    """The runner prefixes each worker's line with its global rank; its own lines go to the pod's first."""
+    m = RANK_LINE.fullmatch(line)
+    if m and int(m[1]) in spec.ranks:
+        return LogLine(int(m[1]), m[2])
     return LogLine(pod_rank, line)
 
 

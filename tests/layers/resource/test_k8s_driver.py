@@ -1,6 +1,8 @@
 """The kubernetes driver through the real kubernetes client against the stub API server: manifests
 valid for Kubernetes 1.30, one launch per (job, attempt, sub-task), re-adoption by a new driver,
-Job status to phases, cancel, pod logs by rank, the token only in a Secret, the advertised rendezvous."""
+Job status to phases, cancel, pod logs by rank, the token only in a Secret, the advertised rendezvous,
+each pod running the site's job runner (user code, resumed attempts) with the pod's ephemeral ports
+in the agent's --port-range."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import kubernetes_validate
 import pytest
 
 from cpn.runtime.config import TrainConfig
-from cpn.runtime.contract import AttemptSpec, Endpoint, worker_env
-from cpn.runtime.siteenv import globalise
+from cpn.runtime.contract import AttemptSpec, CodeRef, Endpoint, worker_env
+from cpn.runtime.jobrunner import pod_share
+from cpn.runtime.launcher import PortRange
 from cpn.runtime.topology import Topology
 from layers.resource.drivers.base import DriverError, LogLine
 from layers.resource.drivers.kubernetes import (
@@ -27,6 +30,7 @@ from layers.resource.drivers.kubernetes import (
     job_manifest,
     launch_key,
     resource_name,
+    runner_command,
     secret_manifest,
     service_manifest,
     shape,
@@ -39,15 +43,18 @@ RDZV = Endpoint(host="203.0.113.7", port=41234)  # what the first site's agent a
 TOPOLOGY = Topology(sites=[{"name": "east", "ranks": 4}, {"name": "west", "ranks": 8}],
                     links=[{"a": "east", "b": "west", "bandwidth_mbps": 1000.0, "rtt_ms": 40.0}])
 SETTINGS = PodSettings(image="cpn:test")
+CODE = CodeRef(digest="sha256:" + "ab" * 32, entrypoint="mymodel.train:main", args={"lr": 0.001})
+RUNNER = ["python", "-m", "cpn.runtime.jobrunner", "/var/lib/cpn/run", "--contract", "/var/run/cpn/spec.json",
+          "--job-dir", "/var/lib/cpn", "--pod-index", "$(JOB_COMPLETION_INDEX)"]
 
 
 def spec_of(*, lead: bool = False, attempt: int = 1, token: str | None = TOKEN, image: str | None = "cpn:test",
-            rendezvous: Endpoint | None = RDZV) -> AttemptSpec:
+            rendezvous: Endpoint | None = RDZV, code: CodeRef | None = None) -> AttemptSpec:
     site = {"subtask": "llm-gpu-east", "cluster": "gpu-east", "site_index": 0, "first_rank": 0, "workers": 4} if lead \
         else {"subtask": "llm-gpu-west", "cluster": "gpu-west", "site_index": 1, "first_rank": 4, "workers": 8}
     return AttemptSpec(job="llm", attempt=attempt, topology=TOPOLOGY, train=TrainConfig(model="tiny", tokens=16384),
                        elastic=False, rendezvous=rendezvous, server="https://cpn.example", worker_token=token,
-                       image=image, **site)
+                       image=image, code=code, **site)
 
 
 def job_controller(stub: KubeStub, job: dict[str, Any]) -> None:
@@ -125,15 +132,14 @@ def test_shape_fits_ranks_to_nodes() -> None:
     assert shape(4, 0, cpu_ranks_per_pod=2) == Shape(2, 2, 0)
 
 
-def test_job_manifest_runs_torchrun_per_pod_on_the_gpus() -> None:
+def test_each_pod_runs_the_sites_job_runner_on_the_gpus() -> None:
     spec = spec_of()
     name = resource_name(launch_key(spec))
     job = job_manifest(spec, NS, Shape(2, 4, 4), PodSettings(image="cpn:test", queue="research"))
     pod = job["spec"]["template"]
     container = pod["spec"]["containers"][0]
-    assert container["command"] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--node-rank",
-                                    "$(JOB_COMPLETION_INDEX)", "--master-addr", f"{name}-0.{name}.{NS}.svc",
-                                    "--master-port", "29400", "--tee", "3", "-m", "cpn.runtime.train"]
+    assert container["command"] == [*RUNNER, "--ranks-per-pod", "4", "--termination-log", "/dev/termination-log"]
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert job["spec"] | {"template": None} == {"completionMode": "Indexed", "completions": 2, "parallelism": 2,
                                                 "backoffLimit": 0, "ttlSecondsAfterFinished": 86400,
                                                 "template": None}
@@ -143,7 +149,8 @@ def test_job_manifest_runs_torchrun_per_pod_on_the_gpus() -> None:
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research"
     assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == name
     assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == name
-    assert [p["name"] for p in container["ports"]] == ["rdzv"]  # only the lead serves the job's store
+    assert container["ports"] == []  # only the lead serves the job's store
+    assert "securityContext" not in pod["spec"]  # no --port-range: the node's ephemeral ports
     contract = next(v for v in pod["spec"]["volumes"] if v["name"] == "contract")
     assert contract["secret"] == {"secretName": name, "defaultMode": 0o400,
                                   "items": [{"key": "spec.json", "path": "spec.json"}]}
@@ -169,39 +176,34 @@ def test_the_pod_network_is_named_for_nccl_and_gloo() -> None:
     assert default["NCCL_SOCKET_IFNAME"] == default["GLOO_SOCKET_IFNAME"] == "eth0"
 
 
-def test_the_environment_is_the_workers_with_the_advertised_rendezvous() -> None:
+def test_the_pod_environment_holds_the_network_only_and_no_token() -> None:
     spec = spec_of()
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container_env(spec, SETTINGS, gpus=4)}
-    shared = worker_env(spec, spec.first_rank, run_dir="/var/lib/cpn/run", checkpoint_dir="/var/lib/cpn/checkpoints",
-                        base={})
-    for name in ("CPN_TOPOLOGY", "CPN_TRAIN_CONFIG", "CPN_SITE_INDEX", "CPN_JOB", "CPN_ATTEMPT", "CPN_RUN_DIR",
-                 "CPN_CHECKPOINT_DIR", "OMP_NUM_THREADS"):
-        assert env[name] == shared[name], name
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "PYTHONPATH"):
-        assert name not in env, name  # torchrun sets them per process; the image has its own path
-    assert (env["CPN_RANK_OFFSET"], env["CPN_MASTER_ADDR"], env["CPN_MASTER_PORT"]) == ("4", "203.0.113.7", "41234")
-    assert ".svc" not in json.dumps({k: v for k, v in env.items()})
-    assert env["CPN_METRICS_URL"] == "https://cpn.example/api/v1/jobs/llm/metrics"
-    assert env["CPN_METRICS_TOKEN"] == {"secretKeyRef": {"name": resource_name(launch_key(spec)),
-                                                         "key": "worker-token"}}
     assert list(env)[0] == "JOB_COMPLETION_INDEX"  # defined before the command expands it
+    assert set(env) == {"JOB_COMPLETION_INDEX", "PYTHONUNBUFFERED", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+                        "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    assert TOKEN not in json.dumps(env) and "secretKeyRef" not in json.dumps(env)
 
 
-def test_torchrun_ranks_become_job_ranks_at_the_advertised_store() -> None:
-    """Pod 1, local process 2 of the second site: what torchrun exports, then what the runtime sees."""
-    env = {e["name"]: e["value"] for e in container_env(spec_of(), SETTINGS, gpus=4) if "value" in e}
-    env |= {"RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "MASTER_ADDR": "llm-0.llm.train.svc",
-            "MASTER_PORT": "29400", "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    assert globalise(env)
-    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("10", "12", "2")
+def test_the_runner_gives_each_pods_workers_the_job_ranks_at_the_advertised_store() -> None:
+    """Pod 1 of the second site (4 ranks a pod): the environment the runner builds for its third worker."""
+    share = pod_share(spec_of(), 1, 4)
+    assert (share.first_rank, share.workers, list(share.ranks)) == (8, 4, [8, 9, 10, 11])
+    assert share.worker_token == TOKEN and not share.leads_rendezvous
+    env = worker_env(share, 10, run_dir="/var/lib/cpn/run", checkpoint_dir="/var/lib/cpn/checkpoints", base={})
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("10", "12", "2", "4")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("203.0.113.7", "41234")
-    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the job's store, not torchrun
+    assert ".svc" not in json.dumps(env) and TOKEN not in json.dumps(env)
+    with pytest.raises(ValueError, match="outside sub-task"):
+        pod_share(spec_of(), 2, 4)
 
 
-def test_the_torchrun_port_never_collides_with_the_jobs() -> None:
-    spec = spec_of(lead=True, rendezvous=Endpoint(host="203.0.113.7", port=29400))
-    ports = {p["name"]: p["port"] for p in service_manifest(spec, NS)["spec"]["ports"]}
-    assert ports == {"rdzv": 29401, "master": 29400}
+def test_the_port_range_sets_the_pods_ephemeral_ports() -> None:
+    settings = PodSettings(image="cpn:test", port_range=PortRange(30000, 30099))
+    job = job_manifest(spec_of(lead=True), NS, Shape(4, 1, 0), settings)
+    kubernetes_validate.validate(job, "1.30", strict=True)
+    assert job["spec"]["template"]["spec"]["securityContext"] == {
+        "sysctls": [{"name": "net.ipv4.ip_local_port_range", "value": "30000 30099"}]}
 
 
 # ------------------------------------------------------------------------------- launch
@@ -214,10 +216,10 @@ async def test_launch_creates_secret_service_and_job(gpu_site: KubeStub, driver:
     service, secret = gpu_site.get("services", name, NS), gpu_site.get("secrets", name, NS)
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}
-    assert [p["name"] for p in service["spec"]["ports"]] == ["rdzv"]
+    assert service["spec"]["ports"] == []
     assert TOKEN not in json.dumps(job) + json.dumps(handle) + json.dumps(service)
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
-    assert data["worker-token"] == TOKEN
+    assert list(data) == ["spec.json"]
     assert AttemptSpec.model_validate_json(data["spec.json"]) == spec  # the whole contract, token included
     assert job["spec"]["template"]["spec"]["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": "4"}}
     expected = {"app.kubernetes.io/managed-by": "cpn", "cpn.io/job": "llm", "cpn.io/subtask": "llm-gpu-west",
@@ -232,19 +234,39 @@ async def test_launch_creates_secret_service_and_job(gpu_site: KubeStub, driver:
     assert {r.headers["content-type"] for r in patches} == {"application/strategic-merge-patch+json"}
 
 
+async def test_a_user_code_job_resumed_runs_the_runner_with_its_contract(gpu_site: KubeStub,
+                                                                         driver: KubernetesDriver) -> None:
+    """Attempt 2 of a job with spec.code: the same command as any pod (the runner fetches the bundle and
+    the newest checkpoint from the contract), never the built-in LM, and the contract carries both."""
+    spec = spec_of(attempt=2, code=CODE)
+    handle = await driver.launch(spec)
+    job = gpu_site.get("jobs", handle["name"], NS, gv="batch/v1")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == runner_command(Shape(2, 4, 4)) == [
+        *RUNNER, "--ranks-per-pod", "4", "--termination-log", "/dev/termination-log"]
+    assert "cpn.runtime.train" not in json.dumps(job) and "torchrun" not in json.dumps(job)
+    assert set(env_of(job)) == {"JOB_COMPLETION_INDEX", "PYTHONUNBUFFERED", "GLOO_SOCKET_IFNAME",
+                                "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    assert {"name": "work", "mountPath": "/var/lib/cpn"} in container["volumeMounts"]  # --job-dir: code, checkpoints
+    secret = gpu_site.get("secrets", handle["name"], NS)
+    contract = AttemptSpec.model_validate_json(base64.b64decode(secret["data"]["spec.json"]))
+    assert (contract.attempt, contract.code, contract.worker_token) == (2, CODE, TOKEN)
+    assert pod_share(contract, 1, 4).code == CODE  # each pod's share keeps the code and the attempt
+
+
 async def test_the_lead_serves_the_advertised_rendezvous(gpu_site: KubeStub, driver: KubernetesDriver) -> None:
     lead, other = spec_of(lead=True), spec_of()
     await driver.launch(lead)
     await driver.launch(other)
     jobs = {j["metadata"]["labels"]["cpn.io/subtask"]: j for j in gpu_site.objects("jobs", NS, "batch/v1")}
-    for job in jobs.values():
-        env = env_of(job)
-        assert (env["CPN_MASTER_ADDR"], env["CPN_MASTER_PORT"]) == ("203.0.113.7", "41234")
+    for spec, job in ((lead, jobs["llm-gpu-east"]), (other, jobs["llm-gpu-west"])):
+        secret = gpu_site.get("secrets", job["metadata"]["name"], NS)
+        contract = AttemptSpec.model_validate_json(base64.b64decode(secret["data"]["spec.json"]))
+        assert contract.rendezvous == RDZV and contract == spec  # what every pod's runner reads
     container = jobs["llm-gpu-east"]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "master", "containerPort": 41234} in container["ports"]
     service = gpu_site.get("services", resource_name(launch_key(lead)), NS)
     assert {"name": "master", "port": 41234, "targetPort": 41234} in service["spec"]["ports"]
-    assert env_of(jobs["llm-gpu-east"])["CPN_RANK_OFFSET"] == "0"
 
 
 async def test_launching_twice_makes_one_job(gpu_site: KubeStub, driver: KubernetesDriver,
@@ -272,7 +294,7 @@ async def test_without_a_token_the_secret_holds_the_contract_only(gpu_site: Kube
     await driver.launch(spec_of(token=None))
     (secret,) = gpu_site.objects("secrets", NS)
     assert list(secret["data"]) == ["spec.json"]
-    assert "CPN_METRICS_TOKEN" not in env_of(gpu_site.objects("jobs", NS, "batch/v1")[0])
+    assert AttemptSpec.model_validate_json(base64.b64decode(secret["data"]["spec.json"])).worker_token is None
 
 
 async def test_a_launch_that_cannot_run_creates_nothing(gpu_site: KubeStub, kubeconfig: Path) -> None:
@@ -360,6 +382,17 @@ async def test_a_failed_pod_fails_the_subtask_with_its_exit_code(gpu_site: KubeS
     assert state.phase == "Failed" and state.exit_codes == {str(r): 137 for r in range(8, 12)}  # pod 1: ranks 8..11
 
 
+async def test_a_failed_pod_reports_its_runners_last_words(gpu_site: KubeStub, driver: KubernetesDriver) -> None:
+    spec = spec_of()
+    handle = await driver.launch(spec)
+    pod = sorted(p["metadata"]["name"] for p in gpu_site.pods)[1]
+    status = terminated(1, "Failed")
+    status["containerStatuses"][0]["state"]["terminated"]["message"] = "rank 9 exited 1: ValueError: bad lr"
+    set_field(gpu_site, "v1", "pods", pod, "status", status)
+    state = await driver.poll(spec, handle)
+    assert state.phase == "Failed" and state.message.endswith(f"{pod}: rank 9 exited 1: ValueError: bad lr")
+
+
 # ------------------------------------------------------------------------------- cancel
 async def test_cancel_deletes_the_job_and_its_pods(gpu_site: KubeStub, driver: KubernetesDriver,
                                                    kubeconfig: Path) -> None:
@@ -411,16 +444,18 @@ async def test_logs_by_rank_since_the_cursor(gpu_site: KubeStub, driver: Kuberne
     spec = spec_of()
     handle = await driver.launch(spec)
     pod0, pod1 = sorted(p["metadata"]["name"] for p in gpu_site.pods)
-    logs.write(pod0, "[rank0]:step 1 loss 4.2", "[rank3]: step 1 loss 4.3", "torchrun: starting 4 workers")
+    logs.write(pod0, "[rank4]:step 1 loss 4.2", "[rank7]: step 1 loss 4.3", "resuming from the checkpoint of step 4",
+               "[rank0]: not a rank of this sub-task")
     lines, cursor = await driver.logs(spec, handle, {})
     assert lines == [LogLine(4, "step 1 loss 4.2"), LogLine(7, "step 1 loss 4.3"),
-                     LogLine(4, "torchrun: starting 4 workers")]  # torchrun's own lines: the pod's first rank
+                     LogLine(4, "resuming from the checkpoint of step 4"),  # the runner's own: the pod's first rank
+                     LogLine(4, "[rank0]: not a rank of this sub-task")]
     assert json.loads(json.dumps(cursor)) == cursor  # the agent keeps it as JSON
 
-    logs.write(pod0, "[rank0]:step 2", "[rank0]:step 2")  # the same line twice is still two lines
-    logs.write(pod1, "[rank5]:step 2", "torchrun on pod 1")
+    logs.write(pod0, "[rank4]:step 2", "[rank4]:step 2")  # the same line twice is still two lines
+    logs.write(pod1, "[rank9]:step 2", "runner on pod 1")
     lines, cursor = await driver.logs(spec, handle, cursor)
-    assert lines == [LogLine(4, "step 2"), LogLine(4, "step 2"), LogLine(9, "step 2"), LogLine(8, "torchrun on pod 1")]
+    assert lines == [LogLine(4, "step 2"), LogLine(4, "step 2"), LogLine(9, "step 2"), LogLine(8, "runner on pod 1")]
     assert (await driver.logs(spec, handle, cursor))[0] == []
 
 
