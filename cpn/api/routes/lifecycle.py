@@ -23,7 +23,7 @@ from cpn.api.routes.system import REFRESH
 from cpn.core import errors
 from cpn.core.principal import Role
 from cpn.runtime.contract import AttemptSpec
-from layers.orchestration.lifecycle import agents, checkpoints, learning, metering, views
+from layers.orchestration.lifecycle import agents, checkpoints, learning, logs, metering, views
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
 from layers.service.contracts import contract_of
 from layers.service.jobs import TERMINAL, JobStore, job_key, load_job
@@ -31,7 +31,6 @@ from layers.service.jobs import TERMINAL, JobStore, job_key, load_job
 RECONCILER = web.AppKey("reconciler", Reconciler)
 BLOBS = state.BLOBS
 WATCH_MAX_SECONDS = 30.0
-LOG_FOLLOW_POLL = 0.5
 
 
 class MetricsBatch(BaseModel):
@@ -191,34 +190,18 @@ async def get_subtasks(request: web.Request) -> web.Response:
 
 
 async def get_logs(request: web.Request) -> web.StreamResponse:
-    """Every rank's output as the agents shipped it: `site`, `rank`, `attempt`, `tail`, `follow`
-    (streams while the job runs and ends when it ends)."""
-    site, follow = _text(request, "site"), request.query.get("follow") in ("1", "true")
-    rank, attempt = _int(request, "rank"), _int(request, "attempt", low=1)
-    tail = _int(request, "tail", low=0, high=100_000)
+    """Every rank's output as the agents shipped it, all of it: `site`, `rank`, `attempt`, `tail`;
+    `follow` streams every attempt from `attempt` on and ends when the job has ended."""
+    query = logs.LogQuery(site=_text(request, "site"), rank=_int(request, "rank"),
+                          attempt=_int(request, "attempt", low=1), tail=_int(request, "tail", high=logs.MAX_TAIL),
+                          follow=request.query.get("follow") in ("1", "true"))
     db = request.app[state.DB]
     async with db.session() as s:
-        job = await load_job(s, principal_of(request), request.match_info["name"])
-        if site is not None and site not in await views.sites_of(s, job):
-            raise errors.NotFound(f"job {job.name!r} has no sub-task at site {site!r}", field="site")
-        rows, which = await views.log_lines(s, job, attempt=attempt, site=site, rank=rank, after=0, tail=tail)
+        cursor = await logs.open_logs(s, principal_of(request), request.match_info["name"], query)
     response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
     await response.prepare(request)
-    after = 0
-    while True:
-        for row in rows:
-            await response.write(f"[{row.site} rank{row.rank}] {row.line}\n".encode())
-            after = row.id
-        if not follow:
-            break
-        async with db.session() as s:
-            job = await load_job(s, principal_of(request), job.name)
-            done = job.phase in TERMINAL or (attempt is None and int(job.status.get("attempt") or 0) != which)
-            rows, _ = await views.log_lines(s, job, attempt=which, site=site, rank=rank, after=after, tail=None)
-        if done and not rows:
-            break
-        if not rows:
-            await asyncio.sleep(LOG_FOLLOW_POLL)
+    async for chunk in logs.stream(db, cursor):
+        await response.write(chunk.encode())
     await response.write_eof()
     return response
 
@@ -318,7 +301,8 @@ def setup(app: web.Application) -> None:
                                params=("name",))),
         (get_subtasks, RouteDoc("GET", "/api/v1/jobs/{name}/subtasks", "A job's sub-tasks", "TrainingJob",
                                 params=("name",))),
-        (get_logs, RouteDoc("GET", "/api/v1/jobs/{name}/logs", "Worker logs (text; follow=1 streams)",
+        (get_logs, RouteDoc("GET", "/api/v1/jobs/{name}/logs", "Worker logs (text): one attempt, whole; "
+                            "follow=1 streams every attempt until the job ends",
                             "TrainingJob", params=("name",), query=("site", "rank", "attempt", "tail", "follow"))),
         (top_sites, RouteDoc("GET", "/api/v1/top/sites", "Live per-site usage", "Site")),
         (get_calibrations, RouteDoc("GET", "/api/v1/calibrations", "What finished runs taught the compute model: "

@@ -30,6 +30,7 @@ from layers.service.models import JobRow
 REPORTABLE = tuple(p.value for p in SubtaskPhase if p is not SubtaskPhase.PENDING)  # Pending is the server's
 DONE = SUBTASK_DONE
 MAX_LOG_LINE = 4000
+LOG_PAGE = 5000  # lines per read: longer logs are read page by page
 
 
 class _Body(BaseModel):
@@ -185,11 +186,20 @@ async def append_logs(s: AsyncSession, principal: Principal, uid: str, batch: Lo
     return len(batch.lines)
 
 
-async def read_logs(s: AsyncSession, job: str, *, attempt: int, site: str | None = None, rank: int | None = None,
-                    after: int = 0, limit: int = 5000) -> list[LogRow]:
-    stmt = select(LogRow).where(LogRow.job == job, LogRow.attempt == attempt, LogRow.id > after)
+async def read_logs(s: AsyncSession, job: str, *, attempt: int, later: bool = False, site: str | None = None,
+                    rank: int | None = None, after: int = 0, limit: int = LOG_PAGE,
+                    tail: int | None = None) -> list[LogRow]:
+    """Up to `limit` lines of `attempt` (`later`: and of every later attempt) stored after row id `after`,
+    oldest first. `tail` starts at the last N lines instead; page on with `after` = the last id returned."""
+    where = [LogRow.job == job, LogRow.attempt >= attempt if later else LogRow.attempt == attempt]
     if site is not None:
-        stmt = stmt.where((LogRow.site == site) | (LogRow.subtask == site))
+        of_cluster = select(SubtaskRow.name).where(SubtaskRow.job == job, SubtaskRow.cluster == site)
+        where.append((LogRow.site == site) | (LogRow.subtask == site) | LogRow.subtask.in_(of_cluster))
     if rank is not None:
-        stmt = stmt.where(LogRow.rank == rank)
-    return list((await s.execute(stmt.order_by(LogRow.id).limit(limit))).scalars())
+        where.append(LogRow.rank == rank)
+    if tail is not None:  # the id just before the last `tail` lines
+        before = (await s.execute(select(LogRow.id).where(*where, LogRow.id > after).order_by(LogRow.id.desc())
+                                  .offset(tail).limit(1))).scalar()
+        after = max(after, before or 0)
+    stmt = select(LogRow).where(*where, LogRow.id > after).order_by(LogRow.id).limit(limit)
+    return list((await s.execute(stmt)).scalars())

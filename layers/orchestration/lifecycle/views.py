@@ -1,4 +1,4 @@
-"""Read models for running jobs: metrics, sub-tasks, logs, per-site usage, gauges. The API's
+"""Read models for running jobs: metrics, sub-tasks, per-site usage, gauges (logs: logs.py). The API's
 handlers call these; they never query rows themselves."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from layers.control.capacity import leased_gpus
 from layers.orchestration.lifecycle import agents
-from layers.orchestration.lifecycle.models import LogRow, MetricRow, SubtaskRow
+from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.resource.capacity import inventory
 from layers.service.models import JobRow
 
@@ -32,21 +32,6 @@ async def job_subtasks(s: AsyncSession, job: str) -> list[dict[str, Any]]:
     rows = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == job)
                             .order_by(SubtaskRow.attempt, SubtaskRow.site_index))).scalars().all()
     return [agents.view(t) for t in rows]
-
-
-async def log_lines(s: AsyncSession, job: JobRow, *, attempt: int | None, site: str | None, rank: int | None,
-                    after: int, tail: int | None) -> tuple[list[LogRow], int]:
-    """(lines, attempt) of one attempt (default: the current one), oldest first; `tail` keeps the last N."""
-    which = attempt or int(job.status.get("attempt") or 0)
-    if tail is not None and after == 0:
-        stmt = select(LogRow).where(LogRow.job == job.name, LogRow.attempt == which)
-        if site is not None:
-            stmt = stmt.where((LogRow.site == site) | (LogRow.subtask == site))
-        if rank is not None:
-            stmt = stmt.where(LogRow.rank == rank)
-        rows = list((await s.execute(stmt.order_by(LogRow.id.desc()).limit(tail))).scalars())
-        return rows[::-1], which
-    return await agents.read_logs(s, job.name, attempt=which, site=site, rank=rank, after=after), which
 
 
 async def sites_of(s: AsyncSession, job: JobRow) -> set[str]:

@@ -48,14 +48,18 @@ def cancel(obj: Ctx, job: str) -> None:
 @cli.command()
 @click.argument("job")
 @click.option("--site", default=None, help="Only this site's (or cluster's) workers.")
-@click.option("-f", "--follow", is_flag=True, help="Stream new lines until the job ends.")
+@click.option("-f", "--follow", is_flag=True,
+              help="Stream every attempt's lines as they come (\"--- attempt N ---\" starts each) until the job ends.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank.")
-@click.option("--attempt", type=click.IntRange(min=1), default=None, help="An earlier attempt [the current one].")
-@click.option("--tail", type=click.IntRange(min=0), default=None, help="Only the last N lines.")
+@click.option("--attempt", type=click.IntRange(min=1), default=None,
+              help="This attempt [the current one]; with -f, from this attempt on.")
+@click.option("--tail", type=click.IntRange(min=0), default=None,
+              help="Only the last N lines [all of them].")
 @pass_ctx
 def logs(obj: Ctx, job: str, site: str | None, follow: bool, rank: int | None, attempt: int | None,
          tail: int | None) -> None:
-    """Print every rank's output of JOB, as the site agents shipped it (-f: stream until the job ends)."""
+    """Print every rank's output of JOB, as the site agents shipped it: all lines of the current
+    attempt (or --attempt N), or with -f, every attempt's lines as they come until the job ends."""
     params = {"site": site, "follow": "1" if follow else None, "rank": rank, "attempt": attempt, "tail": tail}
     for line in obj.client.stream_lines(f"/api/v1/jobs/{obj.ref(job)}/logs",
                                         params={k: v for k, v in params.items() if v is not None}):
