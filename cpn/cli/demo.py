@@ -3,7 +3,7 @@
 Starts an embedded API server on SQLite, registers three local sites of two providers with
 different prices and WAN links, starts a site agent per cluster (each in its own network namespace
 behind the emulated WAN when root), submits a TrainingJob with
-strategy `auto`, shows the quotes, accepts `balanced`, runs it with a live progress bar and prints
+strategy `auto` on 1–3 sites (so the three quotes differ), shows the quotes, accepts `balanced`, runs it with a live progress bar and prints
 the summary: validation loss start → end, wall time, WAN traffic and cost per provider.
 """
 
@@ -59,8 +59,8 @@ def world(provider: str) -> list[dict[str, Any]]:
 def job_manifest(tokens: int, model: str) -> dict[str, Any]:
     return {"apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": {"name": "demo-lm"},
             "spec": {"model": model, "dataset": "pystdlib", "tokens": tokens, "globalBatchTokens": 3 * 128 * 8,
-                     "strategy": "auto", "innerSteps": 20, "compression": "int8", "gpus": {"min": 3, "max": 3},
-                     "sites": {"min": 3, "max": 3}, "objective": {"cost": 0.5, "time": 0.5}}}
+                     "strategy": "auto", "gpus": {"min": 1, "max": 3}, "sites": {"min": 1, "max": 3},
+                     "objective": {"cost": 0.5, "time": 0.5}}}
 
 
 def _token(env: dict[str, str], name: str, role: str) -> str:

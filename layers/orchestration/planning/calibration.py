@@ -50,4 +50,4 @@ def local_slot_offer(name: str, site: str, slots: int, *, region: str = "local",
     return ClusterOffer(name=name, site=site, region=region, provider=provider, gpu_model=CPU_MODEL,
                         tflops=CPU_TFLOPS, memory_gb=CPU_MEMORY_GB, free_gpus=slots,
                         price_per_gpu_hour=price_per_slot_hour, intra_node_gbps=80.0, inter_node_gbps=10.0,
-                        gpus_per_node=max(1, slots))
+                        gpus_per_node=max(1, slots), driver="local")

@@ -55,11 +55,15 @@ from layers.orchestration.planning.types import (
 )
 
 __all__ = [
-    "STARTUP_SECONDS", "TOKEN_EFFICIENCY", "TRAINING_STATE_BYTES", "flops_per_step", "predict",
+    "STARTUP_BY_DRIVER", "STARTUP_SECONDS", "TOKEN_EFFICIENCY", "TRAINING_STATE_BYTES", "flops_per_step", "predict",
     "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param", "wire_ratio", "worker_memory_gb",
 ]
 
-STARTUP_SECONDS = 120.0
+# Launching → Running before any lesson: a Kubernetes pod is scheduled, pulls its image and meets
+# (minutes); a local-driver site forks processes that import torch and meet (seconds, measured by
+# `cpn demo` here: 3–5 s). Finished runs replace both (learning.py).
+STARTUP_BY_DRIVER: dict[str, float] = {"kubernetes": 120.0, "local": 5.0}
+STARTUP_SECONDS = STARTUP_BY_DRIVER["kubernetes"]  # the cautious default, for a driver not listed
 INTRA_ALPHA_SECONDS = 10e-6
 GRADIENT_BYTES = 2  # bf16 gradients inside a site, and for ddp / hierarchical across sites
 TOKEN_EFFICIENCY: dict[str, float] = {
@@ -211,7 +215,7 @@ def _learned(req: JobRequirements, strategy: str, used: list[Assignment],
              offers: dict[str, ClusterOffer]) -> tuple[float, float]:
     """(step factor, start-up seconds) that finished runs of this GPU model (the placement's most
     numerous), strategy and workload taught; before any, factor 1 and the start-up other runs on this
-    GPU model measured, else :data:`STARTUP_SECONDS`."""
+    GPU model measured, else :data:`STARTUP_BY_DRIVER` of the placement's slowest driver."""
     gpus: dict[str, int] = {}
     for a in used:
         model = offers[a.cluster].gpu_model
@@ -221,7 +225,9 @@ def _learned(req: JobRequirements, strategy: str, used: list[Assignment],
     if lesson is not None:
         return lesson.step_factor, lesson.startup_seconds
     startup = req.learned.startup(model)
-    return 1.0, STARTUP_SECONDS if startup is None else startup
+    if startup is None:  # the slowest site to start holds up the rendezvous
+        startup = max(STARTUP_BY_DRIVER.get(offers[a.cluster].driver, STARTUP_SECONDS) for a in used)
+    return 1.0, startup
 
 
 def _wan(ring: list[str], index: dict[Key, WanLink]) -> tuple[float, float, list[Key]]:

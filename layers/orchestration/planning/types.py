@@ -25,6 +25,7 @@ class ClusterOffer:
     intra_node_gbps: float = 600.0
     inter_node_gbps: float = 100.0
     gpus_per_node: int = 8
+    driver: str = "kubernetes"  # how the site starts work: start-up time differs (perf.STARTUP_BY_DRIVER)
 
 
 @dataclass(frozen=True)
