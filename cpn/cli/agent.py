@@ -20,8 +20,9 @@ __all__ = ["agent_cmd"]
 @click.option("--cluster", required=True, help="Name of the CPN Cluster this agent reports for.")
 @click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path),
               help="Discover GPUs from this Kubernetes cluster.")
-@click.option("--context", "kube_context", help="With --kubeconfig: the kubeconfig context (default: its "
-              "current-context). Not a cpnctl context: the server and token come from --server/--token.")
+@click.option("--kube-context", "--context", "kube_context", help="With --kubeconfig: the kubeconfig context "
+              "(default: its current-context). Not a cpnctl context: the server and token come from "
+              "--server/--token, CPN_SERVER/CPN_TOKEN, else cpnctl's current context.")
 @click.option("--namespace", default="default", show_default=True, help="With --kubeconfig: namespace for Jobs.")
 @click.option("--local", is_flag=True, help="Offer this machine's GPUs (or CPU slots) instead.")
 @click.option("--gpus", type=int, help="With --local: slots to offer when no CUDA device is visible [1].")
@@ -58,8 +59,13 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat, not per request
+    if kube_context and kubeconfig is None:
+        raise click.ClickException(f"--context/--kube-context {kube_context!r} names a context of a kubeconfig: "
+                                   "add --kubeconfig PATH (the CPN server and token come from --server/--token)")
     try:
         target = resolve(server, token, None)
+        if note := target.source_note():
+            click.echo(f"cpn agent: {note}", err=True)
         registration = None
         if register:
             if not (site and region and price):

@@ -62,6 +62,15 @@ def save(cfg: ConfigFile) -> None:
 class Target:
     server: str | None
     token: str | None
+    context: str | None = None  # the config context that supplied a value, if any
+    from_context: tuple[str, ...] = ()  # which of "server", "token" it supplied
+
+    def source_note(self) -> str | None:
+        """One line saying what came from the cpnctl config (never the token itself), or None."""
+        if not self.from_context:
+            return None
+        return (f"using the {' and '.join(self.from_context)} of cpnctl context {self.context!r} in {config_path()}"
+                f" (server {self.server}); --server/--token or CPN_SERVER/CPN_TOKEN override it")
 
 
 def resolve(server: str | None, token: str | None, context: str | None) -> Target:
@@ -71,7 +80,9 @@ def resolve(server: str | None, token: str | None, context: str | None) -> Targe
     entry = cfg.find(name) if name else None
     if context and entry is None:
         raise ConfigError(f"context {context!r} not found in {config_path()}")
-    return Target(
-        server=server or os.environ.get("CPN_SERVER") or (entry.server if entry else None),
-        token=token or os.environ.get("CPN_TOKEN") or (entry.token if entry else None),
-    )
+    server = server or os.environ.get("CPN_SERVER")
+    token = token or os.environ.get("CPN_TOKEN")
+    supplied = tuple(field for field, given in (("server", server), ("token", token))
+                     if not given and entry is not None and getattr(entry, field))
+    return Target(server=server or (entry.server if entry else None), token=token or (entry.token if entry else None),
+                  context=entry.name if supplied and entry else None, from_context=supplied)
