@@ -70,6 +70,9 @@ class StrategyConfig(_Model):
     staleness: int = Field(4, ge=0, description="ssp: max steps a site may run ahead of the slowest")
     ps: int = Field(1, ge=1, description="async_ps, ps_sync, ps_backup: number of parameter-server shards")
     backup_workers: int = Field(1, ge=0, description="ps_backup: pushes of a step the servers do not wait for")
+    ps_replicas: int = Field(0, ge=0, description="async_ps, ps_sync, ps_backup: secondaries of each shard, each on "
+                                                 "another site; the primary forwards every update to them")
+    ps_damping: bool = Field(True, description="async_ps: scale a push's learning rate by min(1, N/(1+staleness))")
     gossip_neighbours: int = Field(1, ge=1, le=2)
     wan_timeout_seconds: float = Field(60.0, gt=0, description="a WAN exchange slower than this marks a site dead")
 
@@ -92,11 +95,16 @@ class FaultConfig(_Model):
     slow_site: int | None = Field(None, ge=0)
     slowdown: float = Field(1.0, ge=1.0, description="the slow site computes this many times slower")
     kill_site: int | None = Field(None, ge=0)
+    kill_ps: int | None = Field(None, ge=0, description="kill the process serving this parameter shard's primary")
     kill_at_step: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> FaultConfig:
-        if (self.kill_site is None) != (self.kill_at_step is None):
+        if self.kill_site is not None and self.kill_ps is not None:
+            raise ValueError("kill_site and kill_ps are two faults: give one of --kill-site K, --kill-ps K")
+        if self.kill_ps is not None and self.kill_at_step is None:
+            raise ValueError("kill_ps and kill_at_step go together: give both --kill-ps K --at-step N")
+        if (self.kill_site is None) != (self.kill_at_step is None) and self.kill_ps is None:
             raise ValueError("kill_site and kill_at_step go together: give both --kill-site K --at-step N")
         if self.slowdown > 1 and self.slow_site is None:
             raise ValueError("slowdown without slow_site: add --slow-site K")

@@ -29,7 +29,7 @@ from cpn.runtime.metrics import Recorder, default_sinks, gather_finals, summariz
 from cpn.runtime.model import build_model
 from cpn.runtime.siteenv import globalise
 from cpn.runtime.strategies import Context, Strategy, build_strategy
-from cpn.runtime.strategies.async_ps import PS_STRATEGIES
+from cpn.runtime.strategies.async_ps import PS_STRATEGIES, check_ps
 from cpn.runtime.topology import Topology
 
 FINAL_MODEL = "final_model.pt"
@@ -193,6 +193,7 @@ def preflight(config: TrainConfig, topology: Topology) -> None:
         raise ValueError(f"strategy.ps {s.ps} exceeds the {world} ranks of the job: use at most {world}")
     if s.name == "ps_backup" and s.backup_workers >= world:
         raise ValueError(f"strategy.backup_workers {s.backup_workers} must be below the {world} workers of the job")
+    check_ps(config, topology)
     if s.name == "hierarchical" and not topology.is_uniform:
         raise ValueError(f"hierarchical needs the same number of workers at every site, got "
                          f"{[x.ranks for x in topology.sites]}: use ddp or even out the sites")
@@ -231,7 +232,7 @@ def run_local(config: TrainConfig, topology: Topology, wan_mbps: float | None = 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)
     worker_env = {**config.to_env(), ENV_RUN_DIR: str(run_dir), **(env or {})}
-    killing = config.faults.kill_site is not None
+    killing = config.faults.kill_at_step is not None  # a site or a PS primary (faults.kill_ps)
     entry = "cpn.runtime.train:main" if start_method == "fork" else "cpn.runtime.train"
     results = launch(topology, entry, [], wan_mbps=wan_mbps, env=worker_env, timeout=timeout,
                      failure_grace=timeout if killing else 10.0, capture_output=True, check=False,

@@ -14,6 +14,14 @@ and direction). A push is ``[gradient shard..., progress, op, step]``; the reply
 ``[parameters..., step]`` — the server's step after the update, which the worker adopts. A worker
 that leaves (its budget spent, or its pair closed) no longer counts toward a step, so the others
 never wait for it; a step that waits longer than ``wan_timeout_seconds`` is applied with what came.
+With ``ps_replicas`` the primary forwards each step's mean gradient and learning rate (and each
+leave) to its secondaries; after a fail-over the workers repeat their push to the new primary, which
+counts it toward the step it is on or drops it if that step is already done.
+
+Budget: ``ps_sync`` stops after the job's steps (one global batch each). ``ps_backup`` counts every
+push a worker *computed* toward the token budget, the dropped ones too -- what the job paid for, as
+Chen et al. count steps of N−b applied pushes -- so a 2× slower site out of three costs about a
+fifth of the applied tokens instead of stretching the run to N/(N−b) as many steps.
 """
 
 from __future__ import annotations
@@ -23,51 +31,50 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from cpn.runtime.device import HOST
-from cpn.runtime.strategies.async_ps import OP_PULL, OP_PUSH, AsyncPS, Server
+from cpn.runtime.strategies.async_ps import OP_LEAVE, OP_PULL, OP_PUSH, AsyncPS, Server, as_sent
 from cpn.runtime.strategies.base import Context, grads_of, load_flat, lr_at
+from cpn.runtime.strategies.ps_replicas import FWD_LEAVE, FWD_UPDATE
 
-OP_LEAVE = 2.0
 DROPPED = "cpn/ps/dropped"
 
 
 class RoundServer(Server):
     """A shard that applies one averaged update per step, from the first `quorum` pushes of it."""
 
-    def __init__(self, ctx: Context, shard: int, theta: torch.Tensor, workers: int, backups: int):
-        super().__init__(ctx, shard, theta, workers)
+    def __init__(self, ctx: Context, shard: int, theta: torch.Tensor, workers: int, index: int, backups: int):
+        super().__init__(ctx, shard, theta, workers, index)
         if ctx.cfg.optimizer == "sgd":  # as the other synchronous strategies would step
             self.opt = torch.optim.SGD([self.param], lr=ctx.cfg.lr)
-        self.workers, self.backups = workers, backups
+        self.backups = backups
         self.cond = threading.Condition(self.lock)
-        self.step = 0
         self.acc = torch.zeros_like(self.param.detach())
         self.count = 0
-        self.left: set[int] = set()
+        self.gone: set[int] = set()
         self.dropped = 0
+        self.progress = 0.0
         self.patience = ctx.cfg.strategy.wan_timeout_seconds
 
     def quorum(self) -> int:
-        live = self.workers - len(self.left | self.dead)
+        live = self.workers - len(self.gone | self.dead)
         return max(1, min(self.workers - self.backups, live))
 
     def _apply_round(self, progress: float) -> None:
-        """Under the lock: one AdamW step on the mean of this step's pushes."""
-        for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.ctx.cfg, progress)
-        self.param.grad = self.acc / self.count
-        self.opt.step()
+        """Under the lock: one optimiser step on the mean of this step's pushes, forwarded."""
+        lr = as_sent(lr_at(self.ctx.cfg, progress))
+        mean = self.acc / self.count
+        self._step(mean, lr)
+        self._forward(FWD_UPDATE, mean, lr)
         self.acc.zero_()
         self.count = 0
-        self.step += 1
         self.cond.notify_all()
 
     def push(self, worker: int, grad: torch.Tensor, progress: float, step: int) -> tuple[torch.Tensor, int]:
         """Count `grad` toward `step` (or drop it if that step is done); wait until `step` is applied."""
         with self.cond:
-            if step == self.step:
+            self.progress = progress
+            if step == self.version:
                 self.acc += grad
                 self.count += 1
                 if self.count >= self.quorum():
@@ -75,112 +82,85 @@ class RoundServer(Server):
             else:
                 self.dropped += 1
             deadline = time.monotonic() + self.patience
-            while self.step <= step:
+            while self.version <= step:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.cond.wait(timeout=left):
-                    if self.step <= step and self.count:  # the others are silent: apply what came
+                    if self.version <= step and self.count:  # the others are silent: apply what came
                         self._apply_round(progress)
                     break
-            return self.param.detach().clone(), self.step
+            return self.param.detach().clone(), self.version
+
+    def _shrink(self) -> None:
+        """Under the lock: a worker stopped counting; the step may have its quorum now."""
+        if self.count and self.count >= self.quorum():
+            self._apply_round(self.progress)
+        self.cond.notify_all()
 
     def leave(self, worker: int) -> None:
         with self.cond:
-            self.left.add(worker)
-            if self.count and self.count >= self.quorum():
-                self._apply_round(1.0)
-            self.cond.notify_all()
+            self.gone.add(worker)
+            self._forward(FWD_LEAVE, torch.zeros_like(self.acc), worker=worker)
+            self._shrink()
 
-    def serve(self, worker: int, push: dist.ProcessGroup, pull: dist.ProcessGroup) -> None:
-        n = self.param.numel()
-        while True:
-            msg = torch.empty(n + 3, device=HOST)
-            try:
-                push.recv([msg], 0, 0).wait()
-                progress, op, step = msg[n].item(), msg[n + 1].item(), int(msg[n + 2].item())
-                if op == OP_PUSH:
-                    fresh, now = self.push(worker, msg[:n], progress, step)
-                else:
-                    if op == OP_LEAVE:
-                        self.leave(worker)
-                    fresh, now = self.snapshot(), self.step
-                pull.send([torch.cat([fresh, torch.tensor([float(now)], device=HOST)])], 1, 0).wait()
-            except Exception:  # noqa: BLE001 - the worker is gone
-                with self.cond:
-                    self.dead.add(worker)
-                    self.cond.notify_all()
-                return
+    def left(self, worker: int) -> None:
+        self.gone.add(worker)
+
+    def lost(self, worker: int) -> None:
+        with self.cond:
+            self.dead.add(worker)
+            self._shrink()
+
+    def handle(self, worker: int, grad: torch.Tensor, progress: float, op: float, tag: int) -> torch.Tensor:
+        self.serving.wait()
+        if op == OP_PUSH:
+            params, now = self.push(worker, grad, progress, tag)
+        else:
+            if op == OP_LEAVE:
+                self.leave(worker)
+            params, now = self.snapshot()
+        return torch.cat([params, torch.tensor([float(now)], device=HOST)])
 
 
 class SyncPS(AsyncPS):
     """``ps_sync``: every live worker's push, every step. Steps are the servers' steps: a worker whose
     push was dropped adopts the servers' count, and all stop when the servers have made the job's
-    steps (the learning-rate schedule follows the same count, as ddp's does). ``ps_backup`` makes
-N/(N−b) times as many steps, so that its applied pushes carry the job's token budget."""
+    steps (the learning-rate schedule follows the same count, as ddp's does)."""
 
     name = "ps_sync"
     elastic = False
     global_budget = False
 
     def __init__(self, ctx: Context):
-        self.steps: dict[int, int] = {}
         super().__init__(ctx)
-        self.steps = dict.fromkeys(range(len(self.bounds)), 0)
-        workers = ctx.groups.world_size
-        # a step applies N-b workers' pushes: the budget is the tokens in applied pushes
-        applied = ctx.cfg.global_batch_tokens * (workers - self.backups(workers)) / workers
-        self.limit = math.ceil(ctx.cfg.tokens / applied)
+        self.limit = math.ceil(ctx.cfg.tokens / ctx.cfg.global_batch_tokens)
 
     def backups(self, workers: int) -> int:
         return 0
 
     def after_backward(self, step: int) -> None:
+        grad = self._gradient()
+        self.progress = self.server_step() / self.limit
+        load_flat(self.model, self._rpc(grad, OP_PUSH))
+
+    def _gradient(self) -> torch.Tensor:
         ctx = self.ctx
         with ctx.timers.timed("compute"):
             grad = ctx.stage.out(torch.cat([g.reshape(-1) for g in grads_of(self.model)]))
             self.opt.zero_grad(set_to_none=False)
-        self.progress = self.server_step() / self.limit
-        load_flat(self.model, self._rpc(grad, OP_PUSH))
+        return grad
 
     def server_step(self) -> int:
-        return min(self.steps.values())
+        return min(self.tags.values())
 
     def should_stop(self, step: int) -> bool:
         limit = self.limit if self.cfg.stop_at_step is None else min(self.limit, self.cfg.stop_at_step)
         return self.server_step() >= limit
 
-    def make_server(self, shard: int, theta: torch.Tensor, workers: int) -> Server:
+    def make_server(self, shard: int, theta: torch.Tensor, workers: int, index: int) -> Server:
         backups = self.backups(workers)
         if backups >= workers:
             raise ValueError(f"backup_workers {backups} must be below the {workers} workers of the job")
-        return RoundServer(self.ctx, shard, theta, workers, backups)
-
-    def _rpc(self, grad: torch.Tensor, op: float) -> torch.Tensor:
-        ctx = self.ctx
-        theta = torch.empty(grad.numel(), device=HOST)
-        pending = []
-        with ctx.timers.timed("comm"):
-            for k, (lo, hi) in enumerate(self.bounds):
-                if k in self.local:
-                    server = self.local[k]
-                    if op == OP_PUSH:
-                        out, self.steps[k] = server.push(ctx.rank, grad[lo:hi], self.progress, self.steps[k])
-                    else:
-                        if op == OP_LEAVE:
-                            server.leave(ctx.rank)
-                        out = server.snapshot()
-                    theta[lo:hi] = out
-                    continue
-                head = torch.tensor([self.progress, op, float(self.steps[k])], device=HOST)
-                msg = torch.cat([grad[lo:hi], head])
-                self.push[k].send([msg], 1, 0).wait()
-                self._count(k, msg)
-                out = torch.empty(hi - lo + 1, device=HOST)
-                pending.append((k, lo, hi, out, self.pull[k].recv([out], 0, 0)))
-            for k, lo, hi, out, work in pending:
-                work.wait()
-                theta[lo:hi] = out[:-1]
-                self.steps[k] = int(out[-1].item())
-        return theta
+        return RoundServer(self.ctx, shard, theta, workers, index, backups)
 
     def finish(self, step: int) -> None:
         """Leave every server's steps (the others stop waiting for this worker), then as async_ps."""
@@ -189,18 +169,30 @@ N/(N−b) times as many steps, so that its applied pushes carry the job's token 
         self.ctx.store.add(DROPPED, sum(getattr(s, "dropped", 0) for s in self.local.values()))
         super().finish(step)
 
-    def summary_extras(self) -> dict[str, int]:
+    def summary_extras(self) -> dict[str, object]:
         """Pushes the servers dropped as late (counted by every server before it reports done)."""
-        return {"ps_dropped": self.ctx.store.add(DROPPED, 0)}
+        return {**super().summary_extras(), "ps_dropped": self.ctx.store.add(DROPPED, 0)}
 
 
 class BackupPS(SyncPS):
-    """``ps_backup``: the first N−b pushes of a step make it; the b late ones are dropped."""
+    """``ps_backup``: the first N−b pushes of a step make it; the b late ones are dropped. Every push
+    computed counts toward the token budget (the job-wide counter async_ps stops on)."""
 
     name = "ps_backup"
+    global_budget = True
 
     def backups(self, workers: int) -> int:
         return self.ctx.cfg.strategy.backup_workers
+
+    def after_backward(self, step: int) -> None:
+        grad = self._gradient()
+        spent = self.budget.add(self.ctx.step_tokens)
+        self.progress = spent / self.budget.total
+        self.stop = spent >= self.budget.total
+        load_flat(self.model, self._rpc(grad, OP_PUSH))
+
+    def should_stop(self, step: int) -> bool:
+        return self.stop or (self.cfg.stop_at_step is not None and step >= self.cfg.stop_at_step)
 
 
 __all__ = ["OP_LEAVE", "OP_PULL", "BackupPS", "RoundServer", "SyncPS"]
