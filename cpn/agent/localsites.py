@@ -17,6 +17,7 @@ from pathlib import Path
 
 from cpn.runtime.netem import WanEmulator
 from cpn.runtime.topology import LinkSpec, SiteSpec, Topology
+from layers.resource.drivers.local import runner_pid
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,10 @@ class LocalSites:
         for name in list(self.procs):
             self.stop(name)
         for pid_file in self.state_root.glob("*/runs/*/attempt-*/*/runner.pid"):  # runs left behind
-            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
-                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            pid = runner_pid(pid_file.parent)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGTERM)
         if self.emulator is not None:
             self.emulator.__exit__(*exc)
 
@@ -74,7 +77,7 @@ class LocalSites:
         assert self.emulator is not None
         return [s.name for s in self.emulator.topology.sites].index(site)
 
-    def start(self, cluster: LocalCluster, kill_workers_with_agent: bool = False) -> subprocess.Popen[bytes]:
+    def start(self, cluster: LocalCluster) -> subprocess.Popen[bytes]:
         """Start (or restart) the agent of `cluster`. Its token travels in the environment, not argv."""
         argv = [sys.executable, "-m", "cpn.cli.server", "agent", "--cluster", cluster.name, "--local",
                 "--gpus", str(cluster.slots), "--server", self.server_url, "--interval", str(self.heartbeat_seconds),
