@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cpn.runtime.config import FaultConfig, StrategyConfig, TrainConfig
+from cpn.runtime.strategies.async_ps import PS_STRATEGIES
 from cpn.runtime.topology import Topology
 
 MODIFIERS = {"int8", "fp16", "bf16", "fp32", "overlap", "sync", "equal", "balanced"}
@@ -45,6 +46,8 @@ class BenchOptions:
     slowdown: float = 1.0
     kill_site: int | None = None
     at_fraction: float | None = None
+    ps_replicas: int = 0  # async_ps, ps_sync, ps_backup: secondaries of each shard
+    kill_ps: int | None = None  # kill the process serving this shard's primary at --at-fraction
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -52,8 +55,11 @@ class BenchOptions:
             name, *mods = spec.split("+")
             if set(mods) - MODIFIERS:
                 raise ValueError(f"unknown modifier(s) {sorted(set(mods) - MODIFIERS)} in {spec!r}: use {sorted(MODIFIERS)}")
-        if (self.kill_site is None) != (self.at_fraction is None):
-            raise ValueError("--kill-site and --at-fraction go together: give both")
+        kills = (self.kill_site is not None) + (self.kill_ps is not None)
+        if kills > 1:
+            raise ValueError("--kill-site and --kill-ps are two faults: give one")
+        if kills != (self.at_fraction is not None):
+            raise ValueError("--kill-site (or --kill-ps) and --at-fraction go together: give both")
 
     @property
     def scenario(self) -> str:
@@ -61,6 +67,8 @@ class BenchOptions:
             return self.name
         if self.kill_site is not None:
             return "kill"
+        if self.kill_ps is not None:
+            return "ps-kill"
         if self.slow_site is not None:
             return "straggler"
         return f"wan{self.wan_mbps:g}" if self.wan_mbps else "local"
@@ -81,15 +89,16 @@ def strategy_config(spec: str, opts: BenchOptions) -> StrategyConfig:
     return StrategyConfig(
         name=name, inner_steps=every, compression="none" if codec == "fp32" else codec, overlap=overlap,
         balance=balance, staleness=opts.staleness, ps=opts.sites, outer_lr=opts.outer_lr,
+        ps_replicas=opts.ps_replicas if name in PS_STRATEGIES else 0,
         outer_momentum=opts.outer_momentum, nesterov=None if opts.outer_momentum is None else opts.outer_momentum > 0,
-        wan_timeout_seconds=20.0 if opts.kill_site is not None else 300.0,
+        wan_timeout_seconds=20.0 if opts.at_fraction is not None else 300.0,
     )
 
 
 def train_config(spec: str, opts: BenchOptions, kill: bool) -> TrainConfig:
     faults = FaultConfig(slow_site=opts.slow_site, slowdown=opts.slowdown)
     if kill:
-        faults = faults.model_copy(update={"kill_site": opts.kill_site,
+        faults = faults.model_copy(update={"kill_site": opts.kill_site, "kill_ps": opts.kill_ps,
                                            "kill_at_step": int(opts.steps * (opts.at_fraction or 0))})
     return TrainConfig(
         model=opts.model, tokens=opts.tokens, global_batch_tokens=opts.global_batch, seq_len=opts.seq_len,
@@ -102,8 +111,9 @@ def runs(opts: BenchOptions) -> list[tuple[str, TrainConfig]]:
     out = []
     for spec in opts.strategies:
         out.append((spec, train_config(spec, opts, kill=False)))
-        if opts.kill_site is not None:
-            label = f"{spec} (site {opts.kill_site} killed at {opts.at_fraction:.0%})"
+        if opts.at_fraction is not None:
+            victim = f"site {opts.kill_site}" if opts.kill_site is not None else f"PS shard {opts.kill_ps} primary"
+            label = f"{spec} ({victim} killed at {opts.at_fraction:.0%})"
             out.append((label, train_config(spec, opts, kill=True)))
     return out
 
@@ -153,6 +163,7 @@ def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[
             "comm_fraction": s["comm_fraction"], "initial_val_loss": s["initial_val_loss"],
             "live_sites": s["live_sites"], "resolved": s["resolved"],
             "gpu_seconds": s.get("gpu_seconds"), "intra_bytes": s.get("intra_bytes"),
+            **{k: s[k] for k in ("ps_dropped", "ps_failovers", "ps_staleness_mean") if k in s},
         }
         for s in summaries
     ]

@@ -163,6 +163,8 @@ def _explicit(ctx: click.Context) -> set[str]:
 @click.option("--slowdown", type=float, default=1.0)
 @click.option("--kill-site", type=int, default=None)
 @click.option("--at-fraction", type=float, default=None, help="kill the site at this fraction of the run")
+@click.option("--ps-replicas", type=int, default=0, help="PS modes: secondaries of each parameter shard")
+@click.option("--kill-ps", type=int, default=None, help="kill shard K's primary at --at-fraction (PS modes, --ps-replicas)")
 @click.option("--name", default=None, help="scenario name for the docs files (default: from the flags)")
 @click.option("--out", type=click.Path(file_okay=False), default="docs/benchmarks")
 @click.option("--json", "as_json", is_flag=True)
