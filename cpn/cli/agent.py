@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +15,18 @@ from cpn.client import ApiError
 from cpn.core.errors import CPNError
 
 __all__ = ["agent_cmd"]
+
+
+def _port_range(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Checked here, then handed on through the environment to the work loop, drivers and runners."""
+    if not value:
+        return
+    from cpn.runtime.launcher import ENV_PORT_RANGE, PortRange
+
+    try:
+        os.environ[ENV_PORT_RANGE] = str(PortRange.parse(value))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.command("agent")
@@ -30,6 +43,9 @@ __all__ = ["agent_cmd"]
 @click.option("--token", help="Provider token (prefer CPN_TOKEN: a flag shows in `ps`; else the cpnctl config).")
 @click.option("--advertise-address", help="Address other sites reach this one at, for the rendezvous of jobs "
               "whose first site is here [the address used to reach the server].")
+@click.option("--port-range", metavar="LO-HI", callback=_port_range, expose_value=False,
+              help="TCP ports to open between sites: the rendezvous this agent advertises and (on Kubernetes) "
+              "the pods' ephemeral ports, where Gloo and NCCL listen, come from it [any free port].")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where local runs live [~/.local/share/cpn/agent/CLUSTER].")
 @click.option("--no-work", is_flag=True, help="Heartbeat only; do not claim sub-tasks.")
