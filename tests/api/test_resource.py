@@ -189,3 +189,19 @@ async def test_patch_merges_and_keeps_provider(api) -> None:
     assert resp.status == 200, await resp.text()
     got = await resp.json()
     assert got["metadata"]["labels"] == {"a": "b"} and got["spec"]["provider"] == "prov-a"
+
+
+async def test_a_batch_moves_each_cluster_one_version_and_the_manifest_agrees(api) -> None:
+    await apply(api, "prov-a", WORLD_A)
+    ready = [{"type": "Ready", "status": "True"}]
+    seen = []
+    for gpus in (5, 6):
+        batch = {"items": [{"cluster": "fra-h100", "allocatableGpus": gpus, "conditions": ready},
+                           {"cluster": "ams-l40s", "allocatableGpus": 2, "conditions": ready}]}
+        resp = await api.client.post("/api/v1/heartbeats", json=batch, headers=api.auth("prov-a"))
+        assert resp.status == 200, await resp.text()
+        seen.append((await resp.json())["resourceVersions"])
+    assert {n: int(v) for n, v in seen[1].items()} == {n: int(v) + 1 for n, v in seen[0].items()}
+    got = await (await api.client.get("/api/v1/clusters/fra-h100", headers=api.auth("prov-a"))).json()
+    assert got["metadata"]["resourceVersion"] == seen[1]["fra-h100"]
+    assert got["status"]["allocatable"]["gpus"] == 6 and got["status"]["ready"] == "True"
