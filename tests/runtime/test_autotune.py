@@ -18,7 +18,8 @@ def test_plain_diloco_across_a_20_mbit_link_gets_int8_plain_averaging_and_a_wan_
     assert (s.name, s.compression, s.outer_lr, s.outer_momentum, s.nesterov) == ("diloco", "int8", 1.0, 0.0, False)
     # H keeps the WAN bytes under 1/110 of ddp's: 2 leaders x 1.016 B/param per round vs 12 B/param per ddp step
     assert s.inner_steps == 19
-    assert s.overlap is False  # at 20 Mbit/s the int8 round takes ~0.05 s, under 5 % of a 19-step round
+    # at 20 Mbit/s the int8 round takes ~0.054 s, 3.5 % of a 19-step round (~1.55 s): worth hiding
+    assert s.overlap is True and s.overlap_steps == 1
     assert s.balance is True
     assert s.resolved
 
@@ -26,6 +27,18 @@ def test_plain_diloco_across_a_20_mbit_link_gets_int8_plain_averaging_and_a_wan_
 def test_a_slow_link_turns_on_the_tau_delayed_overlap() -> None:
     s = resolve(job(), Topology.uniform(2, 2), wan_mbps=5).strategy
     assert s.overlap is True and 1 <= s.overlap_steps <= s.inner_steps // 2
+
+
+@pytest.mark.parametrize(("mbps", "overlap"), [(None, False), (1_000, False), (50, True), (20, True)])
+def test_overlap_follows_the_exchange_share_of_a_round(mbps: float | None, overlap: bool) -> None:
+    """On when the exchange costs more than OVERLAP_HIDE of a round's compute: not on an unshaped link
+    (nothing to hide) nor at 1 Gbit/s (0.07 % of a round), but at 50 Mbit/s (1.4 %) and 20 Mbit/s (3.5 %)."""
+    from cpn.runtime.autotune import OVERLAP_HIDE, _exchange_seconds, _step_compute_seconds, link_of
+
+    cfg, topo = job(), Topology.uniform(2, 2)
+    s = resolve(cfg, topo, wan_mbps=mbps).strategy
+    share = _exchange_seconds(cfg, topo, link_of(topo, mbps), "int8") / (s.inner_steps * _step_compute_seconds(cfg, topo))
+    assert s.overlap is overlap and (share > OVERLAP_HIDE) is overlap, share
 
 
 def test_many_outer_rounds_get_diloco_nesterov_outer_step() -> None:

@@ -1,0 +1,37 @@
+"""DiLoCo's last outer step is a plain average of the sites' models, not an outer-momentum step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cpn.runtime.config import StrategyConfig, TrainConfig
+from cpn.runtime.topology import Topology
+from cpn.runtime.train import FINAL_MODEL, run_local
+
+
+def one_round(strategy: str, **knobs: object) -> TrainConfig:
+    """Eight steps in one round (H = 8): the run's only outer step is its last one."""
+    return TrainConfig(model="tiny", seq_len=64, global_batch_tokens=512, tokens=512 * 8, val_every=8, val_batches=2,
+                       strategy=StrategyConfig(name=strategy, inner_steps=8, compression="none", overlap=False,
+                                               balance=False, wan_timeout_seconds=8.0, **knobs))
+
+
+def test_the_last_outer_step_averages_the_sites_models(tmp_path: Path) -> None:
+    """Outer lr 0.5 with Nesterov momentum 0.9 would move θ by 0.5·1.9 = 0.95 of the mean pseudo-gradient;
+    the final step moves it by exactly 1 of it, as local_sgd's plain average does."""
+    topo = Topology.uniform(2, 1)
+    for name, cfg in (("diloco", one_round("diloco", outer_lr=0.5, outer_momentum=0.9, nesterov=True)),
+                      ("local_sgd", one_round("local_sgd"))):
+        run_local(cfg, topo, run_dir=tmp_path / name, timeout=120, start_method="fork")
+    diloco = torch.load(tmp_path / "diloco" / FINAL_MODEL, weights_only=True)
+    average = torch.load(tmp_path / "local_sgd" / FINAL_MODEL, weights_only=True)
+    initial = TrainConfig(model="tiny")  # the same seed builds the same initial weights
+    from cpn.runtime.model import build_model
+
+    start = build_model(initial.model, seed=initial.seed).state_dict()
+    moved = sum(float((average[k] - start[k]).abs().sum()) for k in average)
+    assert moved > 0  # the sites trained, so the average is not the start
+    for name in average:
+        torch.testing.assert_close(diloco[name], average[name], atol=1e-6, rtol=1e-5, msg=name)
