@@ -31,8 +31,6 @@ class Settings(BaseSettings):
     quote_ttl_seconds: float = Field(default=900.0, gt=0)
     lease_ttl_seconds: float = Field(default=3600.0, gt=0)
     rate_limit_per_minute: int = Field(default=6000, gt=0, description="Requests per token per minute.")
-    environment: str = Field(default="development", description="development | production")
-    public_url: str | None = Field(default=None, description="URL workers use to reach this server.")
     reconcile: bool = Field(default=True, description="Run the job reconciler inside the API server.")
     reconcile_interval_seconds: float = Field(default=1.0, gt=0)
     claim_timeout_seconds: float = Field(default=120.0, gt=0, description="A sub-task no agent claims within "
@@ -43,11 +41,6 @@ class Settings(BaseSettings):
     blob_url: str | None = Field(default=None, description="Object store for checkpoints and bundles "
                                  "(s3://bucket/prefix, gs://…, az://…; credentials from the provider's "
                                  "environment variables); default: <data_dir>/blobs on the server's disk.")
-
-    @property
-    def base_url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return (self.public_url or f"http://{host}:{self.port}").rstrip("/")
 
     @field_validator("database_url")
     @classmethod

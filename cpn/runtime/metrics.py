@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from cpn.runtime.config import ENV_METRICS_TOKEN, ENV_METRICS_URL
+
 log = logging.getLogger(__name__)
 
 
@@ -196,9 +198,9 @@ def default_sinks(rank: int, run_dir: str | Path | None) -> list[MetricsSink]:
     if run_dir:
         sinks.append(FileSink(Path(run_dir) / "metrics" / f"rank{rank}.jsonl"))
         sinks.append(LogSink())
-    url = os.environ.get("CPN_METRICS_URL")
+    url = os.environ.get(ENV_METRICS_URL)
     if url:
-        sinks.append(HttpSink(url, os.environ.get("CPN_METRICS_TOKEN")))
+        sinks.append(HttpSink(url, os.environ.get(ENV_METRICS_TOKEN)))
     return sinks
 
 
