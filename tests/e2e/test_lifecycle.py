@@ -263,3 +263,28 @@ def test_ddp_restarts_from_the_servers_checkpoint_on_a_new_placement(w: World) -
     assert "Restarting" in reasons and reasons[-1] == "Succeeded"
     leases = w.call(w.admin, "GET", "/api/v1/reservations?job=sync")["items"]
     assert all(x["status"]["state"] != "active" for x in leases)
+
+
+def test_a_site_whose_agent_and_workers_die_together_is_lost_and_credited(w: World) -> None:
+    """kill -9 of an agent and its workers at once: the agent falls silent, its site turns Lost after
+    the heartbeat timeout, the elastic job goes on with the other sites and the site's lost work is
+    credited."""
+    killed: list[str] = []
+
+    def kill_site_and_agent(name: str) -> None:
+        cluster = w.cluster_at(name, 2)  # not rank 0's site: it hosts the job's rendezvous store
+        pids = w.status(name, cluster)["subtask"]["pids"]
+        w.sites.kill(cluster)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        killed.append(cluster)
+
+    job = w.run("site-gone", on_progress=kill_site_and_agent)
+    assert killed, "the site was never killed"
+    assert job["status"]["phase"] == "Succeeded", job["status"]
+    subtasks = {t["spec"]["cluster"]: t for t in w.call(w.user, "GET", "/api/v1/jobs/site-gone/subtasks")["items"]}
+    assert subtasks[killed[0]]["status"]["phase"] in ("Lost", "Failed"), subtasks[killed[0]]["status"]
+    assert all(t["status"]["launches"] == 1 for t in subtasks.values())  # nothing re-launched
+    events = w.call(w.user, "GET", "/api/v1/events?job=site-gone")["items"]
+    failed = [e for e in events if e["reason"] == "SiteFailed"]
+    assert failed and "credited" in failed[0]["message"] and "continues" in failed[0]["message"], failed
