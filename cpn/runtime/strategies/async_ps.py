@@ -284,11 +284,15 @@ class AsyncPS(Strategy):
     # -- calls to the servers, re-routed to the next replica when one is lost
     def _rpc(self, grad: torch.Tensor, op: float) -> torch.Tensor:
         theta = torch.empty(grad.numel(), device=HOST)
+        shards = range(len(self.bounds))
+        # remote calls go out first: a local ps_sync shard blocks until its step is applied, and the
+        # other shards' servers should not wait for this worker's pushes meanwhile
+        order = sorted(shards, key=lambda k: (k, self.route[k]) in self.local)
         with self.ctx.timers.timed("comm"):
-            calls = [self._start(k, grad, op) for k in range(len(self.bounds))]
-            for k, call in enumerate(calls):
+            calls = {k: self._start(k, grad, op) for k in order}
+            for k in shards:
                 lo, hi = self.bounds[k]
-                theta[lo:hi] = self._finish(k, grad, op, call)
+                theta[lo:hi] = self._finish(k, grad, op, calls[k])
         return theta
 
     def _start(self, k: int, grad: torch.Tensor, op: float) -> Any:
