@@ -33,6 +33,7 @@ import time
 import torch
 
 from cpn.runtime.device import HOST
+from cpn.runtime.strategies import ps_replicas
 from cpn.runtime.strategies.async_ps import OP_LEAVE, OP_PULL, OP_PUSH, AsyncPS, Server, as_sent
 from cpn.runtime.strategies.base import Context, grads_of, load_flat, lr_at
 from cpn.runtime.strategies.ps_replicas import FWD_LEAVE, FWD_UPDATE
@@ -171,7 +172,8 @@ class SyncPS(AsyncPS):
 
     def summary_extras(self) -> dict[str, object]:
         """Pushes the servers dropped as late (counted by every server before it reports done)."""
-        return {**super().summary_extras(), "ps_dropped": self.ctx.store.add(DROPPED, 0)}
+        failovers = ps_replicas.failovers(self.ctx.store, len(self.bounds))
+        return {"ps_dropped": self.ctx.store.add(DROPPED, 0), "ps_failovers": failovers}
 
 
 class BackupPS(SyncPS):
