@@ -1,11 +1,19 @@
 """``gossip``: each site averages with one or two neighbours per round; no global barrier.
 
+Mixing is push-sum (Kempe et al. 2003; as in Stochastic Gradient Push, Assran et al. 2019): each
+site holds a weight ``w`` besides its parameters θ, grown by the work it does (its tokens since the
+last round, in global batches). A round adds what arrived (messages carry ``w·θ`` and ``w``) to the
+site's own ``w·θ`` and ``w``, keeps 1/(k+1) of both and sends the same share to each of its k
+neighbours; θ is numerator over weight. Nothing is lost or counted twice, so however uneven the
+sites' speeds or the graph, the sites agree on the average of their parameters weighted by the work
+behind them, not on a mean that over-weights whoever happens to send (:func:`push_sum`).
+
 Site leaders talk through :class:`Mailboxes`: one two-rank Gloo group per ordered pair of sites
-(i -> j), a sender thread per outgoing pair holding only the newest message (a newer one replaces
-an unsent one) and a receiver thread per incoming pair keeping only the newest arrival. Gloo's
-point-to-point work cannot be polled (``is_completed`` stays false until ``wait``, and a ``wait``
-timeout closes the pair), hence the threads. A fast site therefore never waits for a slow one: it
-mixes in whatever its neighbours last sent.
+(i -> j), a sender thread per outgoing pair and a receiver thread per incoming pair. A message not
+yet sent when the next is posted is summed with it, and arrivals not yet mixed in are summed (push-sum
+mass is conserved). Gloo's point-to-point work cannot be polled (``is_completed`` stays false until
+``wait``, and a ``wait`` timeout closes the pair), hence the threads. A fast site therefore never
+waits for a slow one: it mixes in whatever its neighbours sent so far.
 
 The graph varies with the round: in round r site i sends to ``i +/- 2**(r mod ceil(log2 S))``
 (one neighbour, or two with ``gossip_neighbours=2``) -- an exponential graph, which mixes in
@@ -19,6 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,8 +56,26 @@ def pair_group(store: dist.Store, name: str, src: int, dst: int, me: int, timeou
     return pg
 
 
+def push_sum(theta: torch.Tensor, weight: float, received: list[torch.Tensor], targets: int
+             ) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+    """One push-sum round of one site: ``(θ, w, message)`` after adding the ``received`` messages (each
+    ``[w·θ…, w]``) to this site's ``w·θ`` and ``w`` and keeping 1/(targets+1) of the sum; the message
+    (the same share, for each of the ``targets``) is None without targets."""
+    y, w = theta * weight, float(weight)
+    for m in received:
+        y = y + m[:-1].to(y.device)
+        w += float(m[-1])
+    if w <= 0:
+        return theta, weight, None
+    share = 1.0 / (targets + 1)
+    y, w = y * share, w * share
+    message = torch.cat([y, torch.tensor([w], dtype=y.dtype, device=y.device)]) if targets else None
+    return y / w, w, message
+
+
 class Mailboxes:
-    """Newest-message-wins channels between this site and every other site."""
+    """Summing channels between this site and every other site: an unsent message and an unread
+    arrival absorb the next one (push-sum mass is never dropped)."""
 
     def __init__(self, ctx: Context, numel: int, name: str = "gossip"):
         self.me, self.numel, self.stage = ctx.site, numel, ctx.stage
@@ -71,11 +98,12 @@ class Mailboxes:
             return
         host = host_copy(self.stage, vec)
         with self.lock:
-            self.outbox[peer] = host
+            unsent = self.outbox.get(peer)
+            self.outbox[peer] = host if unsent is None else unsent.add_(host)
         self.wake[peer].set()
 
     def take(self) -> dict[int, torch.Tensor]:
-        """The messages that arrived since the last call, newest per peer."""
+        """What arrived since the last call, summed per peer."""
         with self.lock:
             got, self.inbox = self.inbox, {}
         return got
@@ -104,7 +132,8 @@ class Mailboxes:
                 self.dead.add(peer)
                 return
             with self.lock:
-                self.inbox[peer] = buf
+                unread = self.inbox.get(peer)
+                self.inbox[peer] = buf if unread is None else unread.add_(buf)
 
 
 def neighbours(site: int, sites: int, rnd: int, count: int) -> list[int]:
@@ -129,7 +158,10 @@ class Gossip(Strategy):
         self.budget = TokenBudget(ctx)
         self.stop = False
         self.round = 0
-        self.mail = Mailboxes(ctx, sum(p.numel() for p in self.model.parameters()), self.name) if ctx.is_leader else None
+        numel = sum(p.numel() for p in self.model.parameters()) + 1  # push-sum messages: [w·θ, w]
+        self.mail = Mailboxes(ctx, numel, self.name) if ctx.is_leader else None
+        self.weight = 0.0  # push-sum weight: the work behind this site's parameters, in global batches
+        self._work = 0  # tokens this site trained since its last round
         self.final_exchange = SiteExchange(ctx, f"{self.name}-final") if ctx.is_leader else None
         self._live = list(range(ctx.num_sites))
         self._counted = 0
@@ -158,6 +190,7 @@ class Gossip(Strategy):
         site_sync_grads(self.ctx)
         if self.ctx.site_step_tokens:
             self._inner_step()
+        self._work += self.ctx.site_step_tokens
         if (step + 1) % self.H == 0 and not self.stop:
             self.exchange(step + 1)
 
@@ -173,13 +206,14 @@ class Gossip(Strategy):
         return neighbours(self.ctx.site, self.ctx.num_sites, self.round, self.cfg.strategy.gossip_neighbours)
 
     def _mix_and_send(self) -> None:
-        theta = flat_params(self.model)
-        got = self.mail.take()
-        if got:
-            theta = (theta + sum(v.to(theta.device) for v in got.values())) / (1 + len(got))
-            load_flat(self.model, theta)
-        for j in self.targets():
-            self.mail.post(j, theta)
+        self.weight += self._work / self.cfg.global_batch_tokens
+        self._work = 0
+        targets = [j for j in self.targets() if j not in self.mail.dead]
+        theta, self.weight, message = push_sum(flat_params(self.model), self.weight, list(self.mail.take().values()),
+                                               len(targets))
+        load_flat(self.model, theta)
+        for j in targets:
+            self.mail.post(j, message)
         self._account_wan()
         self._live = sorted(set(range(self.ctx.num_sites)) - self.mail.dead)
 
@@ -208,3 +242,11 @@ class Gossip(Strategy):
 
     def live_sites(self) -> list[int]:
         return self._live
+
+    def site_state(self) -> dict[str, Any]:
+        return {**super().site_state(), "push_weight": self.weight + self._work / self.cfg.global_batch_tokens}
+
+    def load_state(self, site_state: dict[str, Any] | None, global_state: dict[str, Any]) -> None:
+        super().load_state(site_state, global_state)
+        if site_state is not None:
+            self.weight, self._work = float(site_state.get("push_weight", 0.0)), 0

@@ -5,7 +5,9 @@ every ``inner_steps`` send their parameters to every other site through the goss
 in the newest parameters received. Before each step the leader waits until every live site's clock
 is within ``staleness`` steps (the wait is counted as waiting); its site's other ranks wait for it in
 the next intra-site all-reduce. A site whose clock stalls for ``wan_timeout_seconds`` is dropped
-from the bound, so a lost site does not stop the others.
+from the bound, so a lost site does not stop the others; when its clock moves again (it was slow or
+paused, not lost) it rejoins: it is gated and sent parameters again, and its own mailbox messages
+(push-sum) bring it back to the consensus. A site whose channel closed (its process died) stays out.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class SSP(Gossip):
         super().__init__(ctx)
         self.clocks = dist.PrefixStore("cpn/ssp/clock", ctx.store)
         self.s = ctx.cfg.strategy.staleness
-        self.dropped: set[int] = set()
+        self.dropped: dict[int, int] = {}  # site -> its clock when it was dropped
+        self.rejoined = 0
         if ctx.is_leader:
             self.clocks.set(str(ctx.site), "0")
 
@@ -38,6 +41,7 @@ class SSP(Gossip):
             return
         self.clocks.set(str(self.ctx.site), str(step))
         others = [j for j in range(self.ctx.num_sites) if j != self.ctx.site]
+        self._readmit(others)
         last_seen = {j: (-1, time.monotonic()) for j in others}
         t0 = time.perf_counter()
         while True:
@@ -48,19 +52,31 @@ class SSP(Gossip):
                 clock = int(self.clocks.get(str(j)))
                 if clock != last_seen[j][0]:
                     last_seen[j] = (clock, time.monotonic())
-                elif time.monotonic() - last_seen[j][1] > self.cfg.strategy.wan_timeout_seconds:
-                    self.dropped.add(j)
+                if clock >= step - self.s:
                     continue
-                if clock < step - self.s:
-                    behind.append(j)
+                if time.monotonic() - last_seen[j][1] > self.cfg.strategy.wan_timeout_seconds:
+                    self.dropped[j] = clock  # behind and stalled (a site ahead may be waiting too)
+                    continue
+                behind.append(j)
             if not behind or self._budget_spent():
                 break
             time.sleep(0.002)
         self.ctx.timers.wait += time.perf_counter() - t0
-        self._live = sorted(set(range(self.ctx.num_sites)) - self.dropped - self.mail.dead)
+        self._live = sorted(set(range(self.ctx.num_sites)) - set(self.dropped) - self.mail.dead)
+
+    def _readmit(self, others: list[int]) -> None:
+        """Take back a dropped site whose clock moved since it was dropped (and whose channel is open)."""
+        for j in others:
+            if j in self.dropped and j not in self.mail.dead and int(self.clocks.get(str(j))) != self.dropped[j]:
+                del self.dropped[j]
+                self.rejoined += 1
 
     def _budget_spent(self) -> bool:
         return self.budget.spent() >= self.budget.total
+
+    def summary_extras(self) -> dict[str, int]:
+        """How often a dropped site was taken back (rank 0's leader's count)."""
+        return {"ssp_rejoined": self.rejoined}
 
     def finish(self, step: int) -> None:
         if self.ctx.is_leader:
