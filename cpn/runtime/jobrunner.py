@@ -41,7 +41,6 @@ FINAL_MODEL = "final_model.pt"  # what rank 0 writes at the end (cpn.runtime.tra
 DONE_MARK = ".cpn-bundle"
 MAX_UNPACKED_BYTES = 2 * 1024**3
 
-KILLED_EXIT_CODES = frozenset({-9, -15, 137, 143, 75})
 TIMEOUT_SECONDS = 7 * 24 * 3600.0
 POLL_SECONDS = 0.5
 
