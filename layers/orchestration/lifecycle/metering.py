@@ -56,6 +56,16 @@ def user_metrics(report: dict[str, Any], limit: int = 32) -> dict[str, float | N
     return out or None
 
 
+def held_seconds(report: dict[str, Any]) -> float:
+    """What a rank's GPU is billed for: the wall time the rank has held it, from binding the device
+    (``gpuSeconds``: start-up included, since a leased GPU is paid for while it is held, busy or not).
+    The compute model predicts the same quantity (GPUs × wall time, start-up included), so bills and
+    the predicted-vs-measured calibration compare like with like. Reports without it (older
+    runtimes) fall back to ``wallSeconds``, the time since the training loop started."""
+    held = report.get("gpuSeconds")
+    return float(held if held is not None else report.get("wallSeconds") or 0.0)
+
+
 async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | None, reports: list[dict[str, Any]],
                  now: datetime | None = None) -> int:
     """Store reports, advance the meter, update progress. Returns how many reports were taken."""
@@ -84,7 +94,7 @@ async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | Non
                               wan_bytes=float(r.get("wanBytes") or 0.0), extra=user_metrics(r), at=now))
         key = f"{attempt}:{rank}"
         prev = meter.get(key, {"gpu": 0.0, "wan": 0.0})
-        gpu_now, wan_now = float(r.get("wallSeconds") or 0.0), float(r.get("wanBytes") or 0.0)
+        gpu_now, wan_now = held_seconds(r), float(r.get("wanBytes") or 0.0)
         cluster = cluster_of_site.get(site)
         if cluster is not None:
             dg, dw = max(0.0, gpu_now - prev["gpu"]), max(0.0, wan_now - prev["wan"])
