@@ -61,6 +61,14 @@ def price_lines(gpu_seconds: dict[str, float], egress_bytes: dict[tuple[str, str
     return lines
 
 
+def data_transfer_lines(transfers: list[tuple[str, float, Decimal]], sellers: dict[str, Seller]) -> list[dict[str, Any]]:
+    """One ``data-transfer`` line per placed site without a replica of the job's dataset, from
+    (receiving cluster, GB copied, price per GB of the path it comes over): billed by the provider of
+    the cluster that receives it, whose workers pull the copy."""
+    return [line(sellers[cluster].provider, cluster, "data-transfer", Decimal(repr(gb)), unit)
+            for cluster, gb, unit in sorted(transfers)]
+
+
 def total(lines: list[dict[str, Any]]) -> Decimal:
     """The exact sum of the lines, rounded once to the cent, half up."""
     return sum((Decimal(x["amount"]) for x in lines), Decimal(0)).quantize(CENT, rounding=ROUND_HALF_UP)

@@ -192,7 +192,7 @@ class PlacementLine(CamelModel):
 class PriceLine(CamelModel):
     provider: str
     cluster: str
-    item: Literal["gpu-hours", "egress"]
+    item: Literal["gpu-hours", "egress", "data-transfer"]
     quantity: Money
     unit_price: Money
     amount: Money

@@ -14,8 +14,10 @@ from cpn.core import errors
 from cpn.core.db import Database
 from cpn.core.principal import Principal
 from cpn.core.settings import Settings
+from cpn.core.store import split_key
 from layers.control import capacity
 from layers.orchestration.events import record_event
+from layers.orchestration.jobs import data
 from layers.orchestration.jobs.requirements import objective, planner_inputs, prediction_dict, requirements
 from layers.orchestration.lifecycle import learning
 from layers.orchestration.lifecycle.plan import attempt_plan, budget_note
@@ -74,7 +76,8 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
                   ) -> list[dict[str, Any]]:
     """Plan the job against live capacity and store fresh quotes; the job becomes Quoted."""
     now = now or datetime.now(UTC)
-    saved = await price_options(session, TrainingJobSpec.model_validate(job.spec), t, now, job_id=job.id)
+    saved = await price_options(session, TrainingJobSpec.model_validate(job.spec), t, now, job_id=job.id,
+                                owner=(job.owner_id, split_key(job.name)[0] or ""))
     await quotes_mod.supersede_open(session, job)
     session.add_all(saved)
     await session.flush()
@@ -86,9 +89,12 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
 
 
 async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeouts, now: datetime,
-                        job_id: str | None = None) -> list[QuoteRow]:
-    """Cheapest / fastest / balanced plans against live capacity, priced; the rows are not stored."""
-    req = replace(requirements(spec, now), learned=await learning.load(session))  # what finished runs taught
+                        job_id: str | None = None, owner: tuple[str, str] | None = None) -> list[QuoteRow]:
+    """Cheapest / fastest / balanced plans against live capacity, priced; the rows are not stored.
+    `owner` (account id, namespace) resolves spec.dataset."""
+    need = await data.need(session, *owner, spec.dataset) if owner is not None else None
+    req = replace(requirements(spec, now), learned=await learning.load(session),  # what finished runs taught
+                  data=need)
     pool_offers, links, _ = await capacity.snapshot(session, t.heartbeat, now)
     offers, wan = planner_inputs(pool_offers, links, spec.currency)
     plans = placement.quote_options(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
@@ -102,6 +108,7 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
         pred = plan.prediction
         lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices,
                                     link_owners)
+        lines += pricing.data_transfer_lines(_transfers(plan), sellers)
         placement_lines = [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model}
                            for a in plan.assignments]
         reason, train = _unrunnable(spec, plan.strategy, placement_lines, plan.ring, links)
@@ -114,11 +121,20 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
                                                       "note": budget_note(spec, train)}}
         rows.append(quotes_mod.new_quote(
             job_id, label, placement=placement_lines, strategy=plan.strategy, ring=plan.ring,
-            prediction={**prediction_dict(pred), **trains}, predicted_seconds=pred.total_seconds, wan_gb=pred.wan_bytes / 1e9,
+            prediction={**prediction_dict(pred), **trains, "dataSeconds": pred.data_seconds,
+                        "dataTransfer": data.lines_info(pred.data_moves)}, predicted_seconds=pred.total_seconds, wan_gb=pred.wan_bytes / 1e9,
             lines=lines, total=pricing.total(lines), currency=spec.currency, ttl=t.quote_ttl, now=now))
     if not rows and refused:
         raise errors.Infeasible("no placement can run: " + "; ".join(refused), field=_field_of(refused[0]))
     return rows
+
+
+def _transfers(plan: Any) -> list[tuple[str, float, Decimal]]:
+    """(receiving cluster, GB, price per GB) of each dataset copy: a site's copy goes to its first cluster."""
+    first = {}
+    for a in plan.assignments:
+        first.setdefault(a.site, a.cluster)
+    return [(first[site], m.gb, m.price_per_gb) for site, m in plan.prediction.data_moves.items()]
 
 
 def _unrunnable(spec: TrainingJobSpec, strategy: str, placement: list[dict[str, Any]], ring: list[str],
@@ -148,7 +164,7 @@ async def preview(session: AsyncSession, principal: Principal, body: Any, t: Tim
                                    "another name", field="metadata.name")
     spec: TrainingJobSpec = obj.spec  # type: ignore[attr-defined]
     now = datetime.now(UTC)
-    rows = await price_options(session, spec, t, now)
+    rows = await price_options(session, spec, t, now, owner=(principal.account_id, principal.name))
     quotes = quotes_mod.views([quotes_mod.public(q) for q in rows], None, pricing_only=pricing_only_reason(spec),
                               now=now)
     wire = obj.model_dump(mode="json", by_alias=True, exclude_none=True)

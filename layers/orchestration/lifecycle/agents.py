@@ -18,9 +18,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from cpn.core import errors
 from cpn.core.phases import SUBTASK_DONE, SubtaskPhase
 from cpn.core.principal import Principal, Role
-from cpn.runtime.contract import AttemptSpec, CodeRef, Endpoint
+from cpn.runtime.contract import AttemptSpec, CodeRef, DataRef, Endpoint
 from layers.orchestration.identity.models import Account
 from layers.orchestration.identity.tokens import issue_token
+from layers.orchestration.jobs.data import data_ref
 from layers.orchestration.lifecycle.models import LogRow, SubtaskRow
 from layers.orchestration.lifecycle.plan import ELASTIC
 from layers.resource.models import ClusterRow
@@ -151,17 +152,19 @@ async def claim(s: AsyncSession, principal: Principal, uid: str, body: ClaimRequ
         t.launched_at = t.claimed_at
     owner = (await s.execute(select(Account).where(Account.id == job.owner_id))).scalar_one()
     token = await issue_token(s, owner, f"worker-{display_name(job.name)}-{t.attempt}"[:63], job=job.name)
-    return contract(job, t, rendezvous, token)
+    return contract(job, t, rendezvous, token, data=await data_ref(s, job, t.site))
 
 
-def contract(job: JobRow, t: SubtaskRow, rendezvous: dict[str, Any] | None, token: str | None) -> AttemptSpec:
+def contract(job: JobRow, t: SubtaskRow, rendezvous: dict[str, Any] | None, token: str | None,
+             data: DataRef | None = None) -> AttemptSpec:
+    """The sub-task's attempt contract; `data` is where its site reads the job's Dataset (data_ref)."""
     code = (job.spec or {}).get("code")  # the user's bundle: the agent fetches it by digest
     return AttemptSpec(code=CodeRef(digest=code["digest"], entrypoint=code["entrypoint"], args=code.get("args") or {})
                        if code and code.get("digest") else None,
                        job=job.name, job_uid=job.id, attempt=t.attempt, subtask=t.name, cluster=t.cluster, site_index=t.site_index,
                        first_rank=t.first_rank, workers=t.gpus, topology=job.status["topology"],
                        train=job.status["train"], elastic=job.status.get("strategy") in ELASTIC,
-                       rendezvous=Endpoint(**rendezvous) if rendezvous else None, worker_token=token)
+                       rendezvous=Endpoint(**rendezvous) if rendezvous else None, worker_token=token, data=data)
 
 
 async def report(s: AsyncSession, principal: Principal, uid: str, body: SubtaskReport) -> SubtaskRow:

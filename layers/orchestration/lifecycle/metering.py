@@ -26,9 +26,16 @@ def _unit_prices(job: JobRow) -> tuple[dict[str, Decimal], dict[str, Decimal]]:
     gpu: dict[str, Decimal] = {}
     egress: dict[str, Decimal] = {}
     for line in job.status.get("quoteLines", []):
-        target = gpu if line["item"] == "gpu-hours" else egress
-        target[line["cluster"].split("/")[0]] = Decimal(line["unitPrice"])
+        target = {"gpu-hours": gpu, "egress": egress}.get(line["item"])
+        if target is not None:
+            target[line["cluster"].split("/")[0]] = Decimal(line["unitPrice"])
     return gpu, egress
+
+
+def _data_copies(job: JobRow) -> dict[str, tuple[Decimal, Decimal]]:
+    """The dataset copies the accepted quote priced: receiving cluster → (GB, price per GB)."""
+    return {line["cluster"].split("/")[0]: (Decimal(line["quantity"]), Decimal(line["unitPrice"]))
+            for line in job.status.get("quoteLines", []) if line["item"] == "data-transfer"}
 
 
 async def _sellers(session: AsyncSession, clusters: set[str]) -> dict[str, tuple[str, str]]:
@@ -124,6 +131,10 @@ async def _post(session: AsyncSession, job: JobRow, contract: ContractRow, gpu: 
                 entry = _charge(session, contract, billed, sellers[cluster], cluster, item,
                                 Decimal(repr(raw)) / unit, prices[cluster])
                 posted.extend([entry] if entry is not None else [])
+    for cluster, (gb, unit) in _data_copies(job).items():  # once, when the site's workers first ran
+        if gpu.get(cluster, 0) > 0 and cluster in sellers and f"data-transfer|{cluster}|{unit}" not in billed:
+            entry = _charge(session, contract, billed, sellers[cluster], cluster, "data-transfer", gb, unit)
+            posted.extend([entry] if entry is not None else [])
     update_status(job, billed=billed)
     return posted
 

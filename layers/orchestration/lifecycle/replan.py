@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
 from layers.control import capacity, leases
+from layers.orchestration.jobs import data as job_data
 from layers.orchestration.jobs.requirements import objective, planner_inputs, requirements
 from layers.orchestration.jobs.workflow import solver_for
 from layers.orchestration.planning import placement
@@ -26,7 +27,8 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
     req = requirements(spec)
     if job.status.get("strategy"):
         req = dataclasses.replace(req, strategy=job.status["strategy"])
-    req = dataclasses.replace(req, exclude_sites=frozenset(req.exclude_sites | failed_sites))
+    req = dataclasses.replace(req, exclude_sites=frozenset(req.exclude_sites | failed_sites),
+                              data=await job_data.need_of_job(s, job))  # residency holds on the new sites too
     await leases.release(s, job.name, "re-placing after a site failure")
     await s.flush()
     pool_offers, links, _ = await capacity.snapshot(s, heartbeat_timeout)

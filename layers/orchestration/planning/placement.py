@@ -37,12 +37,13 @@ from typing import Any
 import numpy as np
 
 from cpn.core.errors import Infeasible
-from layers.orchestration.planning import calibration, perf
+from layers.orchestration.planning import calibration, data, perf
 from layers.orchestration.planning.ring import Key, best_ring, bottleneck, link_index
 from layers.orchestration.planning.types import (
     STRATEGIES,
     Assignment,
     ClusterOffer,
+    DataMove,
     JobRequirements,
     Objective,
     Plan,
@@ -103,6 +104,7 @@ class Problem:
     sites_max: int
     time_ref: float = 1.0
     cost_ref: float = 1.0
+    data_routes: dict[str, DataMove | None] = field(default_factory=dict)  # site → its copy of req.data
     _rings: dict[frozenset[str], list[str]] = field(default_factory=dict)
     _bottlenecks: dict[tuple[str, ...], tuple[float, float]] = field(default_factory=dict)
 
@@ -152,7 +154,9 @@ class Problem:
         egress = 0.0
         for a, b in zip(ring, ring[1:] + ring[:1], strict=True) if len(ring) > 1 else ():
             egress = egress + sent[a] * steps / 1e9 * float(self.index[(a, b)].price_per_gb)
-        cost = price * seconds / 3600 + egress
+        wait, fee = data.site_costs(self.data_routes, sites)  # copies of the dataset to sites without one
+        seconds = seconds + wait
+        cost = price * seconds / 3600 + egress + fee
         return self.score(cost, seconds), seconds, cost
 
     def evaluate(self, counts: dict[int, int], strategy: str, solver: str) -> Plan | None:
@@ -171,6 +175,8 @@ class Problem:
                        for i, g in sorted(used.items(), key=lambda item: self.offers[item[0]].name)]
         offers = {self.offers[i].name: self.offers[i] for i in used}
         prediction = perf.predict(self.req, assignments, strategy, offers, self.links_among(sites), ring)
+        if self.req.data is not None:
+            data.add_to(prediction, self.data_routes, assignments, offers)
         if self.req.deadline_seconds is not None and prediction.total_seconds > self.req.deadline_seconds:
             return None
         if self.req.budget is not None and prediction.est_cost > float(self.req.budget):
@@ -299,6 +305,8 @@ def build_problem(req: JobRequirements, offers: list[ClusterOffer], links: list[
         gpus_max=gpus_max, sites_min=max(1, req.sites_min),
         sites_max=req.sites_max if req.sites_max is not None else max(MAX_SITES, req.sites_min),
     )
+    if req.data is not None:  # over every link: a replica may sit at a site with no free GPUs
+        problem.data_routes = data.routes(req.data, sites, links)
     _set_references(problem)
     return problem
 
@@ -323,6 +331,8 @@ def _where(req: JobRequirements) -> str:
         parts.append(f"sites [{', '.join(sorted(req.sites))}]")
     if req.exclude_sites:
         parts.append(f"outside [{', '.join(sorted(req.exclude_sites))}]")
+    if req.data is not None and req.data.regions:
+        parts.append(f"dataset {req.data.name}'s regions [{', '.join(sorted(req.data.regions))}]")
     return "in allowed " + " and ".join(parts) if parts else "anywhere"
 
 
@@ -341,6 +351,7 @@ def _candidates(req: JobRequirements, offers: list[ClusterOffer]) -> list[Cluste
     if not placed:
         raise Infeasible(f"no {_models(req)} clusters {_where(req)}".replace("  ", " "),
                          field="spec.placement.regions")
+    placed = _resident(req, placed)
     candidates = [o for o in _fitting(req, placed) if o.free_gpus > 0 and o.currency == req.currency]
     free = sum(o.free_gpus for o in candidates)
     if free < req.gpus_min:
@@ -352,6 +363,20 @@ def _candidates(req: JobRequirements, offers: list[ClusterOffer]) -> list[Cluste
         raise Infeasible(f"No placement spans {req.sites_min} sites with free GPUs {_where(req)}; at most "
                          f"{len(sites)} {'does' if len(sites) == 1 else 'do'}", field="spec.sites.min")
     return candidates
+
+
+def _resident(req: JobRequirements, offers: list[ClusterOffer]) -> list[ClusterOffer]:
+    """Offers in the regions the job's dataset may be processed in (all of them without residency)."""
+    if req.data is None or not req.data.regions:
+        return offers
+    inside = [o for o in offers if o.region in req.data.regions]
+    if not inside:
+        found = ", ".join(sorted({o.region for o in offers}))
+        raise Infeasible(f"spec.dataset: dataset {req.data.name!r} may only be processed in regions "
+                         f"[{', '.join(sorted(req.data.regions))}] (its spec.regions), and no {_models(req)} "
+                         f"cluster the job may use is there (their regions: {found})".replace("  ", " "),
+                         field="spec.dataset")
+    return inside
 
 
 def _fitting(req: JobRequirements, offers: list[ClusterOffer]) -> list[ClusterOffer]:

@@ -81,6 +81,26 @@ def workload_of(code_digest: str | None) -> str:
 
 
 @dataclass(frozen=True)
+class DataNeed:
+    """A job's Dataset as placement sees it: how big, where replicas live, where it may be processed."""
+
+    name: str
+    size_gb: float
+    replicas: frozenset[str]  # sites holding a replica
+    regions: frozenset[str] | None = None  # residency: None anywhere
+
+
+@dataclass(frozen=True)
+class DataMove:
+    """One placed site's copy of the dataset: from which replica, how many GB, at what price per GB."""
+
+    source: str | None  # the replica's site (None: no link path, priced at data.DEFAULT_PRICE_PER_GB)
+    gb: float
+    price_per_gb: Decimal
+    seconds: float
+
+
+@dataclass(frozen=True)
 class JobRequirements:
     model: ModelShape
     tokens: int
@@ -103,6 +123,7 @@ class JobRequirements:
     currency: str = "USD"
     workload: str = "lm"  # workload_of(spec.code.digest): learned factors are kept per workload
     learned: Learned = Learned()
+    data: DataNeed | None = None  # spec.dataset when it names a Dataset (planning/data.py)
 
 
 @dataclass(frozen=True)
@@ -136,6 +157,8 @@ class Prediction:
     est_cost: float = 0.0  # in the offers' currency; the service prices exactly with Decimals
     step_factor: float = 1.0  # learned from finished runs (1: none yet); already in step/total seconds
     startup_seconds: float = 0.0
+    data_seconds: float = 0.0  # waiting for the dataset's copies (planning/data.py); already in total_seconds
+    data_moves: dict[str, DataMove] = field(default_factory=dict)  # placed site → its copy of the dataset
 
 
 @dataclass
