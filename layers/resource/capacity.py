@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, func, literal, select, union_all, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm.attributes import set_committed_value
 
 from cpn.core import errors
+from cpn.core.db import as_utc
 from cpn.core.principal import Principal
 from cpn.core.store import RETIRED
 from layers.resource.models import ClusterRow, LinkRow, SiteRow
@@ -118,20 +119,75 @@ class LinkView:
 
 async def inventory(session: AsyncSession, heartbeat_timeout: timedelta,
                     now: datetime | None = None) -> tuple[list[ClusterView], list[LinkView]]:
-    """Every cluster with its live state, and every link, in two queries."""
+    """Every cluster with its live state, and every link.
+
+    The catalogue as stored is loaded once per change, not once per call: one aggregate query
+    (count, latest `updated_at`, sum of versions of clusters, sites and links — every write moves
+    one of them) says whether the copy this process holds is still the database's; readiness is then
+    computed for `now` from the stored heartbeat times. Replicas each keep their own copy and each
+    check it against the database on every call."""
     now = now or datetime.now(UTC)
-    rows = (await session.execute(select(ClusterRow, SiteRow).join(SiteRow, SiteRow.id == ClusterRow.site_id)
-                                  .where(ClusterRow.name.not_like(f"{RETIRED}%"))  # retired: no new work
-                                  .order_by(ClusterRow.name))).all()
+    stored = await _stored_catalogue(session)
     clusters = []
-    for cluster, site in rows:
-        ready = is_ready(cluster, heartbeat_timeout, now)[0]
+    for cluster in stored.clusters:
+        ready = is_ready(cluster, heartbeat_timeout, now)[0]  # type: ignore[arg-type]
         clusters.append(ClusterView(
-            name=cluster.name, site=site.name, region=site.region, provider=site.spec.get("provider") or "",
+            name=cluster.name, site=cluster.site, region=cluster.region, provider=cluster.provider,
             owner_id=cluster.owner_id, driver=cluster.driver, ready=ready,
             allocatable_gpus=cluster.allocatable_gpus if ready else 0, capacity_gpus=cluster.capacity_gpus,
             spec=cluster.spec))
-    links = [LinkView(name=r.name, a=r.spec["a"], b=r.spec["b"], bandwidth_gbps=float(r.spec["bandwidthGbps"]),
-                      rtt_ms=float(r.spec["rttMs"]), price_per_gb=str(r.spec["pricePerGB"]), owner_id=r.owner_id)
-             for r in (await session.execute(select(LinkRow).order_by(LinkRow.name))).scalars()]
-    return clusters, links
+    return clusters, list(stored.links)
+
+
+@dataclass(frozen=True)
+class _StoredCluster:
+    """A cluster row as stored (what `is_ready` and ClusterView read), detached from any session."""
+
+    name: str
+    site: str
+    region: str
+    provider: str
+    owner_id: str
+    driver: str
+    allocatable_gpus: int
+    capacity_gpus: int
+    spec: dict[str, Any]
+    status: dict[str, Any]
+    last_heartbeat_at: datetime | None
+
+
+@dataclass(frozen=True)
+class _Catalogue:
+    stamp: tuple[Any, ...]
+    clusters: tuple[_StoredCluster, ...]
+    links: tuple[LinkView, ...]
+
+
+_catalogues: dict[str, _Catalogue] = {}  # database URL → the catalogue last loaded from it
+
+
+def _stamp_of(row: Any, tag: str) -> Any:
+    return select(literal(tag).label("tag"), func.count(row.id), func.max(row.updated_at),
+                  func.coalesce(func.sum(row.resource_version), 0))
+
+
+async def _stored_catalogue(session: AsyncSession) -> _Catalogue:
+    stamps = await session.execute(union_all(_stamp_of(ClusterRow, "c"), _stamp_of(SiteRow, "s"),
+                                             _stamp_of(LinkRow, "l")))
+    stamp = tuple(sorted((r[0], r[1], as_utc(r[2]), int(r[3])) for r in stamps.all()))
+    where = str(session.get_bind().url)
+    held = _catalogues.get(where)
+    if held is not None and held.stamp == stamp:
+        return held
+    rows = (await session.execute(select(ClusterRow, SiteRow).join(SiteRow, SiteRow.id == ClusterRow.site_id)
+                                  .where(ClusterRow.name.not_like(f"{RETIRED}%"))  # retired: no new work
+                                  .order_by(ClusterRow.name))).all()
+    clusters = tuple(_StoredCluster(
+        name=c.name, site=s.name, region=s.region, provider=s.spec.get("provider") or "", owner_id=c.owner_id,
+        driver=c.driver, allocatable_gpus=c.allocatable_gpus, capacity_gpus=c.capacity_gpus, spec=c.spec,
+        status=c.status or {}, last_heartbeat_at=c.last_heartbeat_at) for c, s in rows)
+    links = tuple(LinkView(name=r.name, a=r.spec["a"], b=r.spec["b"], bandwidth_gbps=float(r.spec["bandwidthGbps"]),
+                           rtt_ms=float(r.spec["rttMs"]), price_per_gb=str(r.spec["pricePerGB"]), owner_id=r.owner_id)
+                  for r in (await session.execute(select(LinkRow).order_by(LinkRow.name))).scalars())
+    _catalogues[where] = held = _Catalogue(stamp, clusters, links)
+    return held

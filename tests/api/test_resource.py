@@ -205,3 +205,33 @@ async def test_a_batch_moves_each_cluster_one_version_and_the_manifest_agrees(ap
     got = await (await api.client.get("/api/v1/clusters/fra-h100", headers=api.auth("prov-a"))).json()
     assert got["metadata"]["resourceVersion"] == seen[1]["fra-h100"]
     assert got["status"]["allocatable"]["gpus"] == 6 and got["status"]["ready"] == "True"
+
+
+async def test_the_inventory_a_process_holds_follows_every_write(api, db) -> None:
+    """inventory() reuses the catalogue it loaded while the database says nothing changed; any write
+    (a heartbeat, a bulk UPDATE, a new link, a deleted cluster) shows on the next call."""
+    from layers.resource.capacity import inventory
+
+    await apply(api, "prov-a", WORLD_A)
+    ready = [{"type": "Ready", "status": "True"}]
+    beat = {"items": [{"cluster": "fra-h100", "allocatableGpus": 7, "conditions": ready}]}
+    assert (await api.client.post("/api/v1/heartbeats", json=beat, headers=api.auth("prov-a"))).status == 200
+
+    async def seen() -> tuple[dict[str, tuple[bool, int]], list[str]]:
+        async with db.session() as s:
+            clusters, links = await inventory(s, timedelta(seconds=60))
+        return {c.name: (c.ready, c.allocatable_gpus) for c in clusters}, [ln.name for ln in links]
+
+    first = await seen()
+    assert first == await seen() and first[0]["fra-h100"] == (True, 7) and first[1] == ["fra-ams"]
+    async with db.session() as s:
+        await s.execute(update(ClusterRow).where(ClusterRow.name == "fra-h100").values(allocatable_gpus=3))
+    assert (await seen())[0]["fra-h100"] == (True, 3)
+    async with db.session() as s:  # silent past the timeout: no longer Ready, with nothing else written
+        await s.execute(update(ClusterRow).where(ClusterRow.name == "fra-h100")
+                        .values(last_heartbeat_at=datetime.now(UTC) - timedelta(seconds=61)))
+    assert (await seen())[0]["fra-h100"] == (False, 0)
+    await apply(api, "prov-a", [site("par-1"), link("fra-par", "fra-1", "par-1")])
+    assert (await seen())[1] == ["fra-ams", "fra-par"]
+    assert (await api.client.delete("/api/v1/clusters/fra-a100", headers=api.auth("prov-a"))).status in (200, 204)
+    assert "fra-a100" not in (await seen())[0]
