@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Column:
     """A printer column. `template` fills `{dotted.path}` placeholders from the manifest;
-    `format="age"` renders a timestamp as an age."""
+    `format="age"` renders a timestamp as an age, `format="duration"` seconds as `3 min 20 s`."""
 
     name: str
     template: str

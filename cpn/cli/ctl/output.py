@@ -44,6 +44,9 @@ def render_cell(item: dict[str, Any], column: dict[str, Any]) -> str:
     template = column["template"]
     if column.get("format") == "age":
         return age(dig(item, template.strip("{}")))
+    if column.get("format") == "duration":  # seconds, shown as `3 min 20 s`
+        seconds = dig(item, template.strip("{}"))
+        return duration_text(float(seconds)) if isinstance(seconds, int | float) else "-"
 
     def sub(match: re.Match[str]) -> str:
         value = dig(item, match.group(1))
@@ -90,6 +93,15 @@ def _money(value: Any) -> str | None:
     return None
 
 
+def _tokens_text(done: int, asked: Any, trained: Any) -> str:
+    """Progress against what the run really trains (status.train), and the budget asked for when they differ."""
+    if not isinstance(trained, int):
+        return f"{done:,} of {asked:,}" if isinstance(asked, int) else f"{done:,}"
+    if isinstance(asked, int) and trained != asked:
+        return f"{done:,} of {trained:,} (spec.tokens {asked:,}, rounded to whole steps)"
+    return f"{done:,} of {trained:,}"
+
+
 def job_view(obj: dict[str, Any]) -> dict[str, Any]:
     """A TrainingJob as a person reads it: units on every figure (USD, s/min/h, tokens/s), no internals."""
     st = dict(obj.get("status") or {})
@@ -101,10 +113,10 @@ def job_view(obj: dict[str, Any]) -> dict[str, Any]:
     view["placement"] = st.get("placement")
     prog = st.get("progress") or {}
     if prog:
-        total = (obj.get("spec") or {}).get("tokens")
         view["progress"] = {
             "percent": f"{prog.get('percent', 0)} %",
-            "tokens": f"{prog.get('tokens', 0):,} of {total:,}" if isinstance(total, int) else prog.get("tokens"),
+            "tokens": _tokens_text(prog.get("tokens") or 0, (obj.get("spec") or {}).get("tokens"),
+                                   (st.get("train") or {}).get("tokens")),
             "loss": prog.get("loss"), "valLoss": prog.get("valLoss"), "trainLoss": prog.get("trainLoss"),
             "throughput": f"{prog.get('tokensPerSecond', 0):,.1f} tokens/s",
             "eta": duration_text(float(prog.get("etaSeconds") or 0)) if prog.get("tokensPerSecond") else "unknown",

@@ -74,7 +74,7 @@ def register(registry: KindRegistry, timeouts: workflow.Timeouts, code_exists: C
                  Column("LOSS", "{status.progress.loss}"), Column("SITES", "{status.sites}"),
                  Column("COST", "{status.cost.total} {status.cost.currency}"), AGE,
                  Column("STRATEGY", "{status.strategy}", wide=True),
-                 Column("ETA", "{status.progress.etaSeconds} s", wide=True))))
+                 Column("ETA", "{status.progress.etaSeconds}", wide=True, format="duration"))))
     registry.register(Kind(
         kind="Quote", plural="quotes", short_names=("quote", "qt"), manifest=None, store=None, order=60,
         verbs=("list",), custom_path="/api/v1/jobs/{parent}/quotes", generic_routes=False,

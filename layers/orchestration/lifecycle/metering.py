@@ -214,7 +214,7 @@ async def refresh_progress(session: AsyncSession, job: JobRow, now: datetime | N
     pct = min(100.0, 100.0 * tokens / total) if total else 0.0
     eta = (total - tokens) / tps if tps > 0 and tokens < total else 0.0
     entries = list((await session.execute(select(LedgerEntry).where(LedgerEntry.job == job.name))).scalars())
-    # the same arithmetic as the invoice (lines rounded to the cent, then summed), so both agree
+    # the invoices' own totals (exact 6-place lines summed, each total rounded once to the cent), so both agree
     cost = sum((Decimal(inv["status"]["total"]) for inv in billing.invoices(entries)), Decimal(0))
     update_status(job, progress={"percent": round(pct, 1), "tokens": tokens, "loss": _r(val if val is not None
                                                                                           else train),
