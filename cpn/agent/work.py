@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 from cpn.client import ApiError, Client
 from cpn.core.phases import NOT_LAUNCHED, SUBTASK_DONE
 from cpn.runtime.contract import AttemptSpec, Endpoint
-from cpn.runtime.launcher import free_port
+from cpn.runtime.launcher import agent_port_range, free_port
 from layers.resource.drivers.base import SiteDriver, SubtaskState
 
 log = logging.getLogger("cpn.agent")
@@ -122,7 +122,7 @@ class WorkLoop:
     async def _claim_and_launch(self, uid: str, item: dict[str, Any]) -> None:
         body: dict[str, Any] = {}
         if item["spec"]["firstRank"] == 0:
-            body["rendezvous"] = Endpoint(host=self.advertise, port=free_port()).model_dump()
+            body["rendezvous"] = Endpoint(host=self.advertise, port=free_port(agent_port_range())).model_dump()
         try:
             raw = await self._call("post", f"/api/v1/subtasks/{uid}/claim", json=body)
         except ApiError as exc:
