@@ -8,6 +8,7 @@ budget, the cross-site strategy around the optimiser, the metrics stream and the
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import torch
 from torch import nn
@@ -27,9 +28,17 @@ class CharGRU(nn.Module):
         return self.head(out)
 
 
+def _local(uri: str | None) -> str:
+    """The text file to read: the site's replica of the job's Dataset when it names a local file
+    (``file:`` URIs; with-dataset.yaml), else the copy in this bundle."""
+    if uri and uri.startswith("file:"):
+        return unquote(urlparse(uri).path)
+    return "corpus.txt"
+
+
 def main() -> None:
     job = cpn.train.init()
-    cfg = {"hidden": 96, "layers": 1, "seq": 64, "lr": 3e-3, "file": "corpus.txt", **job.config}
+    cfg = {"hidden": 96, "layers": 1, "seq": 64, "lr": 3e-3, "file": _local(job.data_uri), **job.config}
     text = Path(cfg["file"]).read_bytes()
     data = torch.tensor(list(text), dtype=torch.long)  # bytes: a 256-symbol vocabulary, no tokenizer
     split = int(len(data) * 0.95)

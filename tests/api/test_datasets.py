@@ -263,3 +263,30 @@ async def test_a_job_re_placed_after_a_site_failure_stays_inside_its_datasets_re
         with pytest.raises(Infeasible) as err:
             await replace_placement(s, job_row, {"fra-1", "ams-1"}, **limits)
         assert err.value.field == "spec.dataset"
+
+
+async def test_the_byo_text_dataset_example_applies_and_is_priced_in_its_regions(api) -> None:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    import yaml
+
+    from cpn.core.manifest import ManifestLoader
+    from cpn.runtime.bundle import pack
+    from tests.api.test_bundles import put
+
+    await _world(api)  # the demo world the example is written for
+    root = Path(__file__).parents[2] / "examples" / "byo-text"
+    docs = list(yaml.load_all((root / "with-dataset.yaml").read_text(), Loader=ManifestLoader))
+    data, digest = pack(root, 1 << 26)
+    assert (await put(api, data)).status in (200, 201)
+    code = docs[1]["spec"]["code"]
+    code.pop("path")
+    code["digest"] = digest
+    resp = await api.client.post("/api/v1/apply", json={"items": docs}, headers=api.auth("alice"))
+    assert resp.status == 200, await resp.text()
+    assert [(i["kind"], i["action"]) for i in (await resp.json())["items"]] == [("Dataset", "created"),
+                                                                               ("TrainingJob", "created")]
+    for q in await quotes(api, "byo-text-eu"):
+        assert {p["site"] for p in q["placement"]} == {"fra-1", "ams-1"}  # nyc-1 is outside the regions
+        (line,) = transfer_lines(q)  # ams-1's copy of the corpus, over the fra-ams link
+        assert line["cluster"] == "ams-1-cpu" and Decimal(line["quantity"]) == Decimal("0.00012")
