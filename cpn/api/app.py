@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,6 +34,7 @@ def create_app(settings: Settings | None = None, db: Database | None = None, *, 
     app[middleware.RATE] = middleware.RateLimiter(settings.rate_limit_per_minute)
     if migrate:  # a cleanup context, so it runs before the reconciler's (contexts start in order)
         app.cleanup_ctx.append(_migrate)
+    app.on_startup.append(_warm_planner)
     metrics.install(app)
     system.setup(app)
     resources.setup(app)
@@ -55,6 +57,13 @@ def _static(app: web.Application) -> None:
 async def _migrate(app: web.Application) -> AsyncIterator[None]:
     await upgrade_async(app[state.DB].url)
     yield
+
+
+async def _warm_planner(_: web.Application) -> None:
+    """Import the solvers (scipy's HiGHS) before serving: imported lazily by the first quote, they
+    held the event loop for ~1.5 s in the middle of the first burst of submissions."""
+    importlib.import_module("layers.orchestration.planning.exact")
+    importlib.import_module("layers.orchestration.planning.heuristic")
 
 
 async def _dispose(app: web.Application) -> None:
