@@ -16,6 +16,9 @@ from cpn.core.migrate import upgrade_async
 from cpn.core.settings import Settings, get_settings
 from layers.resource.blobs import BlobStore
 
+# connections the kernel queues before accept(): aiohttp's default 128 drops the SYNs of a burst of
+# agents or submissions beyond it, and each dropped client waits out a 1 s SYN retransmission
+LISTEN_BACKLOG = 2048
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 
 
@@ -83,5 +86,5 @@ def serve(settings: Settings) -> None:
 
     app.on_startup.append(announce)
     # long request lines (label selectors, continue tokens) get a JSON 4xx from CPN, not aiohttp's text 400
-    web.run_app(app, host=settings.host, port=settings.port, print=None,
+    web.run_app(app, host=settings.host, port=settings.port, print=None, backlog=LISTEN_BACKLOG,
                 max_line_size=65536, max_field_size=16384)  # aiohttp ≥ 3.14 takes the handler's limits directly

@@ -28,7 +28,7 @@ import aiohttp
 import click
 import httpx
 
-from cpn.cli.bench_api import DOCS, SCRATCH_DB, _fire, _pct, _reset, _token, _wait
+from cpn.cli.bench_api import DOCS, SCRATCH_DB, _pct, _reset, _token, _wait
 from cpn.runtime.launcher import free_port
 
 READY = [{"type": "Ready", "status": "True"}]
@@ -36,7 +36,7 @@ REGISTER_CHUNK = 500  # clusters per apply request while registering
 
 
 @contextmanager
-def _server(database_url: str) -> Iterator[tuple[str, dict[str, str]]]:
+def _server(database_url: str) -> Iterator[tuple[str, dict[str, str], int]]:
     data = Path(tempfile.mkdtemp(prefix="cpn-bench-api-"))
     port = free_port()
     env = {**os.environ, "CPN_DATABASE_URL": database_url, "CPN_DATA_DIR": str(data), "CPN_PORT": str(port),
@@ -48,13 +48,33 @@ def _server(database_url: str) -> Iterator[tuple[str, dict[str, str]]]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait(url, server)
-        yield url, env
+        yield url, env, server.pid
     finally:
         server.terminate()
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds a process has used (user + system), from /proc; None where there is none. On a
+    shared machine this, per request, is steadier than wall time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _measured(pid: int, run: Any) -> dict[str, Any]:
+    """Run one phase and add the server's CPU milliseconds per request during it."""
+    before = _cpu_seconds(pid)
+    result = asyncio.run(run)
+    after = _cpu_seconds(pid)
+    if before is not None and after is not None and result["requests"]:
+        result["server_cpu_ms_per_request"] = round((after - before) * 1000 / result["requests"], 1)
+    return result
 
 
 def _register(url: str, token: str, clusters: int) -> list[tuple[str, int]]:
@@ -114,6 +134,45 @@ async def _load(url: str, token: str, streams: list[Iterator[tuple[str, Any]]], 
             "latency_ms": {q: round(_pct(latencies, v), 1) for q, v in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}}
 
 
+QUOTE_JOB = {"model": "llama-7b", "tokens": 20_000_000_000, "globalBatchTokens": 4_194_304,
+             "gpus": {"min": 8, "max": 64}, "sites": {"min": 1, "max": 3}}  # as `cpn bench quotes` submits
+
+
+async def _quote_burst(url: str, tokens: list[str], n: int) -> dict[str, Any]:
+    """n job submissions at once (each planned and priced into three quotes), each followed by reading
+    its quotes; latency is submission + read. An aiohttp client, lighter than httpx, so that less of
+    the shared machine goes to the clients."""
+    connector = aiohttp.TCPConnector(limit=n)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
+        async def one(i: int) -> tuple[int | str, float, int]:
+            headers = {"Authorization": f"Bearer {tokens[i % len(tokens)]}", "Idempotency-Key": f"bench-{i}"}
+            job = {"apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": {"name": f"bench-{i}"}, "spec": QUOTE_JOB}
+            t0 = time.perf_counter()
+            try:
+                async with session.post("/api/v1/jobs", json=job, headers=headers) as resp:
+                    await resp.read()
+                    status: int | str = resp.status
+                if status != 201:
+                    return status, time.perf_counter() - t0, 0
+                async with session.get(f"/api/v1/jobs/bench-{i}/quotes", headers=headers) as resp:
+                    items = (await resp.json()).get("items", []) if resp.status == 200 else []
+                    status = 201 if resp.status == 200 else resp.status
+            except aiohttp.ClientError as exc:
+                status = type(exc).__name__
+            return status, time.perf_counter() - t0, len(items)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[one(i) for i in range(n)])
+        wall = time.perf_counter() - t0
+    latencies = [r[1] * 1000 for r in results]
+    return {"requests": n, "concurrency": n, "wall_seconds": round(wall, 2),
+            "errors": sum(1 for r in results if r[0] != 201), "status_codes": sorted({r[0] for r in results}, key=str),
+            "quotes_per_job": round(sum(r[2] for r in results) / n, 2),
+            "latency_ms": {q: round(_pct(latencies, v), 1) for q, v in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))},
+            "throughput_rps": round(n / wall, 1)}
+
+
 def _singles(clusters: list[tuple[str, int]]) -> Iterator[tuple[str, Any]]:
     i = 0
     while True:
@@ -132,18 +191,18 @@ def _batches(clusters: list[tuple[str, int]], size: int) -> Iterator[tuple[str, 
 
 
 def _table(result: dict[str, Any]) -> str:
-    rows = ["| phase | requests | errors | cluster updates/s | req/s | p50 ms | p95 ms | p99 ms |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| phase | requests | errors | cluster updates/s | req/s | p50 ms | p95 ms | p99 ms | server CPU ms/req |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for phase in ("heartbeat", "heartbeats_batched", "heartbeats_batched_at_rate"):
         r = result[phase]
         rows.append(f"| {phase} | {r['requests']} | {sum(r['errors'].values())} | {r['cluster_updates_per_second']} | "
                     f"{r['requests_per_second']} | {r['latency_ms']['p50']} | {r['latency_ms']['p95']} | "
-                    f"{r['latency_ms']['p99']} |")
+                    f"{r['latency_ms']['p99']} | {r.get('server_cpu_ms_per_request', '-')} |")
     q = result.get("quotes")
     if q:
         rows.append(f"| quotes ({q['clusters']} clusters) | {q['requests']} | {q['errors']} | - | "
                     f"{q['throughput_rps']} | {q['latency_ms']['p50']} | {q['latency_ms']['p95']} | "
-                    f"{q['latency_ms']['p99']} |")
+                    f"{q['latency_ms']['p99']} | {q.get('server_cpu_ms_per_request', '-')} |")
     return "\n".join(rows) + "\n"
 
 
@@ -170,31 +229,31 @@ def bench_api_cmd(clusters: int, concurrency: int, seconds: float, batch: int, r
     """Heartbeats from N clusters (one per request, then batched) and concurrent quotes, side by side."""
     result: dict[str, Any] = {"clusters": clusters, "concurrency": concurrency, "batch": batch,
                               "backend": "PostgreSQL" if database_url.startswith("postgresql") else "SQLite"}
-    with _server(database_url) as (url, env):
+    with _server(database_url) as (url, env, pid):
         provider = _token(env, "bench-provider", "provider")
         t0 = time.perf_counter()
         catalogue = _register(url, provider, clusters)
         result["register_seconds"] = round(time.perf_counter() - t0, 1)
         click.echo(f"registered {len(catalogue)} clusters in {result['register_seconds']} s", err=True)
         shares = [catalogue[i::concurrency] for i in range(concurrency) if catalogue[i::concurrency]]
-        result["heartbeat"] = asyncio.run(_load(url, provider, [_singles(c) for c in shares], seconds))
+        result["heartbeat"] = _measured(pid, _load(url, provider, [_singles(c) for c in shares], seconds))
         click.echo(f"heartbeats: {result['heartbeat']['cluster_updates_per_second']}/s", err=True)
-        result["heartbeats_batched"] = asyncio.run(_load(url, provider, [_batches(c, batch) for c in shares],
-                                                         seconds))
+        result["heartbeats_batched"] = _measured(pid, _load(url, provider, [_batches(c, batch) for c in shares],
+                                                            seconds))
         click.echo(f"batched: {result['heartbeats_batched']['cluster_updates_per_second']}/s", err=True)
         per_request = min(batch, len(shares[0]))
         interval = len(shares) * per_request / rate  # every client's period, for `rate` updates/s in all
         result["heartbeats_batched_at_rate"] = {
-            **asyncio.run(_load(url, provider, [_batches(c, batch) for c in shares], seconds, interval)),
+            **_measured(pid, _load(url, provider, [_batches(c, batch) for c in shares], seconds, interval)),
             "target_updates_per_second": rate}
     if quotes:
-        with _server(database_url) as (url, env):
+        with _server(database_url) as (url, env, pid):
             provider = _token(env, "bench-provider", "provider")
             for name, gpus in _register(url, provider, quote_clusters):
                 httpx.post(f"{url}/api/v1/clusters/{name}/heartbeat", timeout=30, json={"allocatableGpus": gpus,
                            "conditions": READY}, headers={"Authorization": f"Bearer {provider}"}).raise_for_status()
             users = [_token(env, f"bench-user-{i}", "user") for i in range(4)]
-            result["quotes"] = {**asyncio.run(_fire(url, users, quotes, quotes)), "clusters": quote_clusters}
+            result["quotes"] = {**_measured(pid, _quote_burst(url, users, quotes)), "clusters": quote_clusters}
     command = (f"cpn bench api --clusters {clusters} --concurrency {concurrency} --seconds {seconds:g} "
                f"--batch {batch} --rate {rate:g} --quotes {quotes} --quote-clusters {quote_clusters}")
     if write_docs:

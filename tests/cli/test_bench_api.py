@@ -26,3 +26,5 @@ def test_bench_api_reports_each_phase(tmp_path: Path) -> None:
     assert set(single["latency_ms"]) == {"p50", "p95", "p99"}
     paced = result["heartbeats_batched_at_rate"]  # 1000 updates/s offered: far more than 1 s can show
     assert paced["errors"] == {} and paced["target_updates_per_second"] == 1000 and paced["requests"] > 0
+    # the server's own CPU per request (from /proc), steadier than wall time on a shared machine
+    assert result["quotes"]["server_cpu_ms_per_request"] > 0 and single["server_cpu_ms_per_request"] > 0
