@@ -1,11 +1,10 @@
 """A failed job gets an invoice, like a cancelled one, its total rounded once; it should pay for the
-work done when the failure was its own code's (today it is credited as if the site had failed)."""
+work done when the failure was its own code's, and nothing for the work a lost site took with it."""
 
 from __future__ import annotations
 
 from decimal import ROUND_HALF_UP, Decimal
 
-import pytest
 from sqlalchemy import select
 
 from layers.orchestration.lifecycle.models import SubtaskRow
@@ -39,8 +38,6 @@ async def test_a_failed_job_gets_one_invoice(api, db) -> None:  # type: ignore[n
     assert inv["entries"] >= 1 and inv["lines"] and all(x["item"] == "gpu-hours" for x in inv["lines"]), inv
 
 
-@pytest.mark.xfail(strict=True, reason="reconciler._transition credits every failed sub-task as the provider's "
-                   "fault and metering.settle skips Failed sub-tasks: a crash of the user's own code is free")
 async def test_a_job_whose_own_code_crashed_pays_for_the_work_done(api, db) -> None:  # type: ignore[no-untyped-def]
     t, inv = await _fail(api, db, "own-crash", 1)  # exit 1: the user's code, not the site
     hours = sum(Decimal(x["quantity"]) for x in inv["lines"] if x["item"] == "gpu-hours")

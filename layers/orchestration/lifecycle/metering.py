@@ -14,6 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core.db import as_utc
+from cpn.core.phases import SUBTASK_FAILED
 from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.resource.models import ClusterRow, SiteRow
 from layers.service import billing
@@ -155,12 +156,19 @@ def _charge(session: AsyncSession, contract: ContractRow, billed: dict[str, str]
                         item=item, quantity=posted_qty, unit_price=unit_price, amount=posted_amount)
 
 
+def site_lost(job: JobRow, attempt: int) -> bool:
+    """Whether a site of this attempt was lost (its workers killed, its agent silent): the providers'
+    fault. Sub-tasks that failed in such an attempt are credited for their lost work; when no site was
+    lost, a failure is the job's own (its code crashed) and the work done is paid for."""
+    return any(f["killed"] for f in job.status.get("failedSites", []) if f["attempt"] == attempt)
+
+
 async def settle(session: AsyncSession, job: JobRow, contract: ContractRow | None, now: datetime | None = None
                  ) -> Decimal:
     """A job stopped before the end (cancelled, or failed) pays for the GPU time its workers held: the
     part of each live sub-task's run that no metric report covered yet (reports stop at the end of the
-    job) is charged at the agreed price. Sub-tasks whose site failed are not: their provider's fault,
-    already credited for lost work."""
+    job) is charged at the agreed price. Sub-tasks that failed in an attempt that lost a site are not:
+    the providers' fault, already credited for lost work (see :func:`site_lost`)."""
     if contract is None or not job.status.get("attempt"):
         return Decimal(0)
     now = now or datetime.now(UTC)
@@ -170,8 +178,9 @@ async def settle(session: AsyncSession, job: JobRow, contract: ContractRow | Non
     subtasks = (await session.execute(select(SubtaskRow).where(SubtaskRow.job == job.name,
                                                                SubtaskRow.attempt == attempt))).scalars().all()
     usage: dict[str, float] = defaultdict(float)
+    providers_fault = site_lost(job, attempt)
     for t in subtasks:
-        if t.launched_at is None or t.phase in ("Failed", "Lost") or t.cluster not in gpu_price:
+        if t.launched_at is None or (providers_fault and t.phase in SUBTASK_FAILED) or t.cluster not in gpu_price:
             continue
         end = as_utc(t.finished_at) if t.finished_at else now
         held = max(0.0, (end - as_utc(t.launched_at)).total_seconds()) * t.gpus

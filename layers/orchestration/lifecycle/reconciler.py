@@ -10,6 +10,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -187,7 +188,8 @@ class Reconciler:
     # ---------------------------------------------------------------- state
     async def _apply_states(self, s: AsyncSession, job: JobRow, subtasks: list[SubtaskRow],
                             states: dict[str, SubtaskState]) -> None:
-        for t in subtasks:
+        # a site lost first, then the peers its loss broke: their lost work is the providers' fault too
+        for t in sorted(subtasks, key=lambda t: t.name not in states or not _killed(states[t.name])):
             state = states.get(t.name)
             if state is not None and state.phase != t.phase:
                 await self._transition(s, job, t, state)
@@ -209,12 +211,13 @@ class Reconciler:
         if state.phase in DONE:
             t.finished_at = datetime.now(UTC)
         if failed:
-            killed = any(isinstance(c, int) and (c < 0 or c in (137, 143)) for c in state.exit_codes.values())
+            t.exit_codes = {**(t.exit_codes or {}), **state.exit_codes}
             update_status(job, failedSites=[*job.status.get("failedSites", []),
-                                            {"attempt": t.attempt, "site": t.site, "killed": killed}])
-            contract = await contract_of(s, job)
-            credit = await metering.credit_lost_work(s, job, contract, t.cluster,
-                                                     f"{t.cluster} failed: lost work since the last checkpoint")
+                                            {"attempt": t.attempt, "site": t.site, "killed": _killed(state)}])
+            credit = Decimal(0)
+            if metering.site_lost(job, t.attempt):  # the providers' fault: the work since the checkpoint is free
+                credit = await metering.credit_lost_work(s, job, await contract_of(s, job), t.cluster,
+                                                         f"{t.cluster} failed: lost work since the last checkpoint")
             await leases.release(s, job.name, f"sub-task {t.name} failed", cluster=t.cluster)
             await record_event(s, job.name, "Warning", "SiteFailed",
                                f"site {t.site} ({t.cluster}) failed; {credit:.2f} credited for lost work; "
@@ -243,7 +246,7 @@ class Reconciler:
         attempt = int(job.status.get("attempt", 1))
         failed_sites = _culprits(job, attempt, {t.site for t in subtasks if t.phase in ("Failed", "Lost")})
         cause = "; ".join(f"{t.site}: {t.message}" for t in subtasks if t.phase in ("Failed", "Lost") and t.message)
-        if not _site_lost(job, attempt):
+        if not metering.site_lost(job, attempt):
             await self._finish(s, job, "Failed", "WorkersFailed",
                                f"the workers failed on their own (no site was lost), so a retry would fail too: {cause}")
             return
@@ -311,8 +314,11 @@ def _culprits(job: JobRow, attempt: int, failed: set[str]) -> set[str]:
     return (killed & failed) or failed
 
 
-def _site_lost(job: JobRow, attempt: int) -> bool:
-    return any(f["killed"] for f in job.status.get("failedSites", []) if f["attempt"] == attempt)
+def _killed(state: SubtaskState) -> bool:
+    """The site, not the job's code, ended these workers: signalled (negative codes, 137 and 143 —
+    SIGKILL/SIGTERM through a shell), never claimed or launched, or their agent fell silent."""
+    return state.phase == "Lost" or any(isinstance(c, int) and (c < 0 or c in (137, 143))
+                                        for c in state.exit_codes.values())
 
 
 def _record_accuracy(job: JobRow) -> None:
