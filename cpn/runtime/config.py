@@ -73,6 +73,9 @@ class StrategyConfig(_Model):
     ps_replicas: int = Field(0, ge=0, description="async_ps, ps_sync, ps_backup: secondaries of each shard, each on "
                                                  "another site; the primary forwards every update to them")
     ps_damping: bool = Field(True, description="async_ps: scale a push's learning rate by min(1, N/(1+staleness))")
+    grad_hooks: bool = Field(
+        True, description="hierarchical: all-reduce gradient buckets as backward produces them (torch DDP's "
+                          "overlap); false: one all-reduce after the whole backward pass")
     gossip_neighbours: int = Field(1, ge=1, le=2)
     wan_timeout_seconds: float = Field(60.0, gt=0, description="a WAN exchange slower than this marks a site dead")
 
