@@ -6,7 +6,8 @@ import re
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, WithJsonSchema, field_validator, model_validator
+from pydantic import Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from cpn.core.manifest import CamelModel, ManifestBase, Money
 from cpn.runtime import presets
@@ -30,6 +31,11 @@ class ModelSpec(CamelModel):
     layers: int | None = Field(default=None, gt=0)
     hidden: int | None = Field(default=None, gt=0)
     seq_len: int | None = Field(default=None, gt=0)
+    flops_per_unit: float | None = Field(default=None, gt=0, le=1e18, description=(
+        "FLOPs one unit (token, sample …) costs in training, forward and backward; default 6 × parameters"))
+    bytes_per_unit: float | None = Field(default=None, gt=0, le=1e12, description=(
+        "Activation memory one unit holds during training, in bytes; with seqLen units per sequence it "
+        "sizes the GPU memory a worker needs (default: a transformer's 34 × hidden × layers)"))
 
     @model_validator(mode="after")
     def _complete(self) -> ModelSpec:
@@ -48,12 +54,13 @@ class ModelSpec(CamelModel):
         """Whether CPN's runtime can train this model (the others are priced for reference only)."""
         return self.preset in RUNNABLE_PRESETS
 
-    def shape(self) -> dict[str, int]:
+    def shape(self) -> dict[str, Any]:
         if self.preset:
             return dict(MODEL_PRESETS[self.preset])
-        # parameters alone (a user's own model, spec.code): 6 FLOPs per parameter per unit, no attention term
-        return {"parameters": self.parameters, "layers": self.layers or 1, "hidden": self.hidden or 1,  # type: ignore[dict-item]
-                "seqLen": self.seq_len or 1}
+        # parameters alone (a user's own model, spec.code): 6 FLOPs per parameter per unit, no attention
+        # term, unless the user states flopsPerUnit (and bytesPerUnit for the memory check)
+        return {"parameters": self.parameters, "layers": self.layers or 1, "hidden": self.hidden or 1,
+                "seqLen": self.seq_len or 1, "flopsPerUnit": self.flops_per_unit, "bytesPerUnit": self.bytes_per_unit}
 
 
 def _range_only(what: str, example: str) -> Any:
@@ -128,6 +135,26 @@ class TrainingJobSpec(CamelModel):
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
     code: CodeSpec | None = Field(default=None, description="The user's own training code (see docs/byo.md)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _code_size(cls, data: Any) -> Any:
+        """Your own code needs its size stated: said at spec.model.parameters, not as a bare 'required'."""
+        if not isinstance(data, dict) or data.get("code") is None:
+            return data
+        model = data.get("model")
+        preset = model if isinstance(model, str) else model.get("preset") if isinstance(model, dict) else None
+        if preset is not None:
+            raise _error_at(("model", "preset"), "code_preset", data, (
+                f"{preset!r}: presets describe CPN's built-in models, but with spec.code your code builds its own: "
+                "describe it instead with spec.model.parameters (its parameter count), and optionally "
+                "flopsPerUnit and bytesPerUnit"))
+        if model is None or isinstance(model, dict) and model.get("parameters") is None:
+            raise _error_at(("model", "parameters"), "code_size", data, (
+                "required with spec.code: CPN cannot price your code without knowing its size. Give the "
+                "model's parameter count (e.g. sum(p.numel() for p in model.parameters())); the compute "
+                "model counts 6 FLOPs per parameter per unit unless you state spec.model.flopsPerUnit"))
+        return data
+
     @model_validator(mode="after")
     def _code(self) -> TrainingJobSpec:
         if self.code is not None and self.code.digest is None:
@@ -146,6 +173,13 @@ class TrainingJobSpec(CamelModel):
         if v is not None:
             deadline_seconds(v, datetime.now(UTC))
         return v
+
+
+def _error_at(loc: tuple[str, ...], kind: str, data: Any, message: str) -> ValidationError:
+    """A validation error at `loc` inside the validated object (raised from a model validator, pydantic
+    keeps the location, so the API names the user's field)."""
+    return ValidationError.from_exception_data("TrainingJobSpec", [InitErrorDetails(
+        type=PydanticCustomError(kind, message), loc=loc, input=data.get(loc[0]))])
 
 
 def pricing_only_reason(spec: TrainingJobSpec) -> str | None:

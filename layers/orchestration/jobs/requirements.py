@@ -24,7 +24,8 @@ def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequi
     deadline = deadline_seconds(spec.deadline, now or datetime.now(UTC)) if spec.deadline else None
     return JobRequirements(
         model=ModelShape(parameters=shape["parameters"], layers=shape["layers"], hidden=shape["hidden"],
-                         seq_len=shape["seqLen"]),
+                         seq_len=shape["seqLen"], flops_per_unit=shape.get("flopsPerUnit"),
+                         bytes_per_unit=shape.get("bytesPerUnit")),
         tokens=spec.tokens, global_batch_tokens=spec.global_batch_tokens, strategy=spec.strategy,
         compression=None if spec.compression in (None, "none") else spec.compression, staleness=spec.staleness,
         gpus_min=spec.gpus.min, gpus_max=spec.gpus.max,

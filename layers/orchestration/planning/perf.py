@@ -104,11 +104,14 @@ def steps_for(req: JobRequirements, strategy: str) -> int:
 def worker_memory_gb(req: JobRequirements) -> float:
     """GB one worker (one GPU) needs at the least to train the model: its replica and one sequence."""
     m = req.model
-    return (m.parameters * TRAINING_STATE_BYTES + ACTIVATION_BYTES * m.seq_len * m.hidden * m.layers) / 1e9
+    per_unit = m.bytes_per_unit if m.bytes_per_unit is not None else ACTIVATION_BYTES * m.hidden * m.layers
+    return (m.parameters * TRAINING_STATE_BYTES + per_unit * m.seq_len) / 1e9
 
 
 def flops_per_step(req: JobRequirements) -> float:
-    return 6.0 * req.model.parameters * req.global_batch_tokens
+    """6 FLOPs per parameter per unit (forward 2, backward 4), or what the user stated for its own code."""
+    per_unit = req.model.flops_per_unit if req.model.flops_per_unit is not None else 6.0 * req.model.parameters
+    return per_unit * req.global_batch_tokens
 
 
 def ring_allreduce_seconds(size_bytes: float, ranks: Any, gbps: Any, alpha_s: float) -> Any:

@@ -43,6 +43,8 @@ class ModelShape:
     layers: int
     hidden: int
     seq_len: int
+    flops_per_unit: float | None = None  # a user's statement for its own code (spec.model.flopsPerUnit)
+    bytes_per_unit: float | None = None  # activation bytes one unit holds (spec.model.bytesPerUnit)
 
 
 @dataclass(frozen=True)
