@@ -15,6 +15,10 @@ from cpn.runtime import presets
 Strategy = Literal["auto", "ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps"]
 DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# an OCI image reference: [registry[:port]/]path[:tag][@sha256:digest]
+IMAGE_RE = (r"^(?:[A-Za-z0-9.-]+(?::[0-9]{1,5})?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+            r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+            r"(?:@sha256:[0-9a-f]{64})?$")
 
 # Named model sizes (one table, cpn/runtime/presets.py): the runtime's byte-level LMs that really train
 # here, then real-world sizes for pricing real clusters.
@@ -134,6 +138,9 @@ class TrainingJobSpec(CamelModel):
     currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
     code: CodeSpec | None = Field(default=None, description="The user's own training code (see docs/byo.md)")
+    image: str | None = Field(default=None, max_length=255, json_schema_extra={"pattern": IMAGE_RE}, description=(
+        "Container image the workers run in on Kubernetes clusters (it needs Python with CPN installed; the "
+        "code bundle is fetched into it at start); default: the site agent's image. Local sites ignore it"))
 
     @model_validator(mode="before")
     @classmethod
@@ -161,6 +168,14 @@ class TrainingJobSpec(CamelModel):
             raise ValueError("spec.code.digest is missing: `cpnctl apply -f job.yaml` packs spec.code.path, "
                              "uploads it and fills in the digest")
         return self
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(IMAGE_RE, v):
+            raise ValueError(f"{v[:80]!r} is not an image reference: write [registry[:port]/]name[:tag][@sha256:digest], "
+                             "e.g. ghcr.io/you/trainer:v1")
+        return v
 
     @field_validator("model", mode="before")
     @classmethod

@@ -164,7 +164,8 @@ def contract(job: JobRow, t: SubtaskRow, rendezvous: dict[str, Any] | None, toke
                        job=job.name, job_uid=job.id, attempt=t.attempt, subtask=t.name, cluster=t.cluster, site_index=t.site_index,
                        first_rank=t.first_rank, workers=t.gpus, topology=job.status["topology"],
                        train=job.status["train"], elastic=job.status.get("strategy") in ELASTIC,
-                       rendezvous=Endpoint(**rendezvous) if rendezvous else None, worker_token=token, data=data)
+                       rendezvous=Endpoint(**rendezvous) if rendezvous else None, worker_token=token, data=data,
+                       image=(job.spec or {}).get("image"))
 
 
 async def report(s: AsyncSession, principal: Principal, uid: str, body: SubtaskReport) -> SubtaskRow:
