@@ -69,8 +69,11 @@ def test_quote_times_have_units_and_wait_on_a_quoted_job_says_accept(hour) -> No
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-def test_describe_job_reads_like_kubectl(hour) -> None:  # type: ignore[no-untyped-def]
-    assert hour.cpnctl("apply", "-f", str(EXAMPLES[0].parent / "ddp.yaml")).returncode == 0
+def test_describe_job_reads_like_kubectl(hour, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    doc = yaml.safe_load((EXAMPLES[0].parent / "ddp.yaml").read_text())
+    doc["spec"]["overlap"] = True  # a boolean the user set: printed as YAML writes it
+    (tmp_path / "ddp.yaml").write_text(yaml.safe_dump(doc))
+    assert hour.cpnctl("apply", "-f", str(tmp_path / "ddp.yaml")).returncode == 0
     assert hour.cpnctl("accept", "first-ddp", "--quote", "cheapest").returncode == 0
     out = hour.cpnctl("describe", "job", "first-ddp")
     assert out.returncode == 0, out.stderr
