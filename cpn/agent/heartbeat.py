@@ -71,6 +71,8 @@ class AgentConfig:
     advertise_address: str | None = None
     """Address other sites reach this one at (default: the one used to reach the server)."""
     namespace: str = "default"
+    image: str | None = None
+    """Kubernetes: the image pods run when the job names none (spec.image)."""
     work: bool = True
     """Claim and run sub-tasks (off: heartbeat only)."""
 
@@ -145,7 +147,7 @@ def make_driver(cfg: AgentConfig) -> Any:
         return LocalDriver(cfg.state_dir or default_state_dir(cfg.cluster))
     from layers.resource.drivers.kubernetes import KubernetesDriver
 
-    return KubernetesDriver(kubeconfig=cfg.kubeconfig, context=cfg.context, namespace=cfg.namespace)
+    return KubernetesDriver(kubeconfig=cfg.kubeconfig, context=cfg.context, namespace=cfg.namespace, image=cfg.image)
 
 
 async def observe(cfg: AgentConfig) -> Observation:

@@ -37,6 +37,8 @@ def _port_range(ctx: click.Context, param: click.Parameter, value: str | None) -
               "(default: its current-context). Not a cpnctl context: the server and token come from "
               "--server/--token, CPN_SERVER/CPN_TOKEN, else cpnctl's current context.")
 @click.option("--namespace", default="default", show_default=True, help="With --kubeconfig: namespace for Jobs.")
+@click.option("--image", envvar="CPN_AGENT_IMAGE", help="With --kubeconfig: the container image (with CPN and "
+              "torch) that pods run when a job names none in spec.image [CPN_AGENT_IMAGE].")
 @click.option("--local", is_flag=True, help="Offer this machine's GPUs (or CPU slots) instead.")
 @click.option("--gpus", type=int, help="With --local: slots to offer when no CUDA device is visible [1].")
 @click.option("--server", help="CPN API URL (CPN_SERVER, else the cpnctl config's current context).")
@@ -59,7 +61,7 @@ def _port_range(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--lat", type=click.FloatRange(-90, 90), help="With --register: the new Site's latitude.")
 @click.option("--lon", type=click.FloatRange(-180, 180), help="With --register: the new Site's longitude.")
 def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, local: bool, gpus: int | None,
-              namespace: str, server: str | None, token: str | None, advertise_address: str | None,
+              namespace: str, image: str | None, server: str | None, token: str | None, advertise_address: str | None,
               state_dir: Path | None, no_work: bool, interval: float, once: bool, price: str | None,
               register: bool, site: str | None, region: str | None, lat: float | None,
               lon: float | None) -> None:
@@ -75,6 +77,8 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat, not per request
+    if image and kubeconfig is None:
+        raise click.ClickException("--image is the container image of Kubernetes pods: add --kubeconfig PATH")
     if kube_context and kubeconfig is None:
         raise click.ClickException(f"--context/--kube-context {kube_context!r} names a context of a kubeconfig: "
                                    "add --kubeconfig PATH (the CPN server and token come from --server/--token)")
@@ -90,7 +94,7 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
         cfg = AgentConfig(cluster=cluster, server=target.server or "", token=target.token, kubeconfig=kubeconfig,
                           context=kube_context, local=local, gpus=gpus, price_per_gpu_hour=price,
                           interval=timedelta(seconds=interval), once=once, register=registration,
-                          namespace=namespace, advertise_address=advertise_address, state_dir=state_dir,
+                          namespace=namespace, image=image, advertise_address=advertise_address, state_dir=state_dir,
                           work=not no_work)
         asyncio.run(run_agent(cfg))
     except (ApiError, ConfigError) as exc:

@@ -182,3 +182,13 @@ def test_cli_errors_are_one_line(args: list[str], message: str, tmp_path: Path, 
 
     assert result.exit_code == 1 and message in result.stderr
     assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_agent_gives_kubernetes_pods_its_image(kubeconfig: Path) -> None:
+    from cpn.agent.heartbeat import make_driver
+
+    driver = make_driver(AgentConfig(cluster="fra-k8s", server="http://cpn.example", kubeconfig=kubeconfig,
+                                     image="registry.example/cpn:1"))
+    assert driver.image == "registry.example/cpn:1"  # pods run it unless the job names its own (spec.image)
+    out = CliRunner().invoke(agent_cmd, ["--cluster", "c", "--local", "--image", "cpn:1", "--server", "http://x"])
+    assert out.exit_code == 1 and "--kubeconfig" in out.output
