@@ -20,7 +20,7 @@ ENV_RUN_DIR = "CPN_RUN_DIR"
 ENV_REJOIN = "CPN_REJOIN"
 
 StrategyName = Literal["ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "ps_sync",
-                       "ps_backup"]
+                       "ps_backup", "pipeline"]
 Compression = Literal["none", "fp16", "bf16", "int8"]
 AUTO = "auto"
 DeviceKind = Literal["auto", "cuda", "cpu"]
@@ -77,12 +77,18 @@ class StrategyConfig(_Model):
         True, description="hierarchical: all-reduce gradient buckets as backward produces them (torch DDP's "
                           "overlap); false: one all-reduce after the whole backward pass")
     gossip_neighbours: int = Field(1, ge=1, le=2)
+    stages: int | None = Field(
+        None, ge=1, description="pipeline: stages the model is cut into, one per site (None: the number of sites)")
+    micro_batches: int = Field(
+        8, ge=1, description="pipeline: micro-batches each rank's share of a step is split into (1F1B schedule)")
     wan_timeout_seconds: float = Field(60.0, gt=0, description="a WAN exchange slower than this marks a site dead")
 
     @model_validator(mode="after")
     def _check(self) -> StrategyConfig:
         if self.overlap and self.name not in ("diloco", "local_sgd", AUTO):
             raise ValueError(f"overlap is only for diloco/local_sgd, not {self.name!r}: drop --overlap")
+        if self.stages is not None and self.name not in ("pipeline", AUTO):
+            raise ValueError(f"stages is only for the pipeline strategy, not {self.name!r}: drop stages")
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=false")
         return self

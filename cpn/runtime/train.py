@@ -28,7 +28,7 @@ from cpn.runtime.launcher import launch
 from cpn.runtime.metrics import Recorder, default_sinks, gather_finals, summarize, write_summary
 from cpn.runtime.model import build_model
 from cpn.runtime.siteenv import globalise
-from cpn.runtime.strategies import Context, Strategy, build_strategy
+from cpn.runtime.strategies import Context, Strategy, build_strategy, strategy_class
 from cpn.runtime.strategies.async_ps import PS_STRATEGIES, check_ps
 from cpn.runtime.topology import Topology
 
@@ -111,7 +111,7 @@ def train(ctx: Context, strategy: Strategy, recorder: Recorder) -> tuple[int, in
         strategy.plan_step(step)
         strategy.set_lr(step)
         t0 = time.perf_counter()
-        loss = forward_backward(ctx, step)
+        loss = strategy.forward_backward(step) if strategy.owns_forward_backward else forward_backward(ctx, step)
         compute = time.perf_counter() - t0
         busy = compute + faults.slow_down(cfg.faults, ctx.site, compute)
         timers.add("compute", busy)
@@ -194,6 +194,7 @@ def preflight(config: TrainConfig, topology: Topology) -> None:
     if s.name == "ps_backup" and s.backup_workers >= world:
         raise ValueError(f"strategy.backup_workers {s.backup_workers} must be below the {world} workers of the job")
     check_ps(config, topology)
+    strategy_class(s.name).check(config, topology)
     if s.name == "hierarchical" and not topology.is_uniform:
         raise ValueError(f"hierarchical needs the same number of workers at every site, got "
                          f"{[x.ranks for x in topology.sites]}: use ddp or even out the sites")

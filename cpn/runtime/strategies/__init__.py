@@ -13,6 +13,8 @@ ssp            parameters to all sites; a site may lead by <= s steps      no   
 async_ps       gradients to sharded parameter servers, fresh params back   yes      none
 ps_sync        the same; servers apply the mean of every worker's push     no       every step
 ps_backup      the same; servers apply the first N-b pushes, drop the rest no       first N-b
+pipeline       activations forward, their gradients back, between          no       every step
+               consecutive stages (one per site, 1F1B micro-batches)
 =============  ==========================================================  =======  =========
 """
 
@@ -34,6 +36,7 @@ STRATEGIES: dict[str, str] = {
     "async_ps": "cpn.runtime.strategies.async_ps:AsyncPS",
     "ps_sync": "cpn.runtime.strategies.sync_ps:SyncPS",
     "ps_backup": "cpn.runtime.strategies.sync_ps:BackupPS",
+    "pipeline": "cpn.runtime.strategies.pipeline:Pipeline",
 }
 
 

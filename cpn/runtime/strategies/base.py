@@ -36,6 +36,7 @@ from cpn.runtime.data import ShardSampler
 from cpn.runtime.device import HOST, HostStage
 from cpn.runtime.groups import Groups
 from cpn.runtime.metrics import Timers
+from cpn.runtime.topology import Topology
 
 
 @dataclass
@@ -232,6 +233,12 @@ class Strategy:
     elastic: ClassVar[bool] = False
     global_budget: ClassVar[bool] = False
     balanced: ClassVar[bool] = False  # may give ranks shares of the batch by measured speed (strategy.balance)
+    owns_forward_backward: ClassVar[bool] = False  # the loop calls :meth:`forward_backward` instead of its own
+
+    @classmethod
+    def check(cls, cfg: TrainConfig, topology: Topology) -> None:
+        """Refuse, before any worker starts, a config this strategy cannot run on ``topology``
+        (a ValueError that says how to fix it); :func:`cpn.runtime.train.preflight` calls it."""
 
     def __init__(self, ctx: Context):
         self.ctx, self.cfg, self.model = ctx, ctx.cfg, ctx.model
@@ -261,6 +268,12 @@ class Strategy:
         lr = lr_at(self.cfg, self.progress)
         for group in self.opt.param_groups:
             group["lr"] = lr
+
+    def forward_backward(self, step: int) -> float | None:
+        """This rank's forward and backward passes of ``step`` when the strategy schedules them itself
+        (``owns_forward_backward``: the pipeline's micro-batches); the loss, or None without tokens.
+        The loop books the call's time as compute; a strategy that waits inside moves that to ``wait``."""
+        raise NotImplementedError(f"{self.name} does not own the forward/backward pass")
 
     def after_backward(self, step: int) -> None:
         site_sync_grads(self.ctx)

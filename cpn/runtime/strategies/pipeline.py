@@ -1,0 +1,346 @@
+"""``pipeline``: the model cut into one contiguous stage per site, micro-batches fed through 1F1B.
+
+Model parallel across sites (seed 002's 流水线): site s holds stage s of the layers (cut by
+parameter count, :mod:`cpn.runtime.stages`); only the activations at a cut cross the WAN forward,
+and their gradients backward, point to point between consecutive sites (``isend``/``recv`` on the
+world group). Inside a site the ranks are data parallel: local rank j of every stage works on the
+j-th share of the step's sequences, and after the step the stage's gradients are averaged over the
+site's fast network. The first and last stage hold the two copies of the tied token table and add
+their gradients (one WAN exchange of ``vocab x d`` per step), so the run is the same optimisation
+as one process training the whole model (a test holds it to that).
+
+Each rank splits its share into ``strategy.micro_batches`` micro-batches and runs the 1F1B
+schedule: stage s starts with ``P-1-s`` forwards, then alternates one forward and one backward,
+then drains the backwards, so at most ``P-s`` micro-batches' activations are held at once. The
+idle time of a rank during the schedule (waiting for a neighbour's activations or gradients, the
+bubble plus the WAN transfer) is measured and reported as ``bubble_fraction``; the ideal bubble with
+free links is ``(P-1)/(M+P-1)``. ``strategy.compression`` (fp16/bf16/int8, default none) encodes
+what crosses a cut in both directions.
+
+The training loop evaluates on rank 0 with the whole model, so before each validation (and at the
+end) every later stage's site leader sends its stage's parameters to rank 0: counted as WAN bytes
+(``wan_eval_bytes``), not part of the training traffic. One pipeline per job (``stages`` equal to
+the number of sites, the same number of workers at each); replicas of the pipeline combined with
+diloco are not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cpn.runtime.codecs import get_codec
+from cpn.runtime.collectives import site_allreduce
+from cpn.runtime.config import TrainConfig, trim_shares
+from cpn.runtime.device import autocast
+from cpn.runtime.stages import Stage, cut_model, unit_names
+from cpn.runtime.strategies.base import Context, Strategy, make_optimizer, weigh
+from cpn.runtime.topology import Topology
+
+__all__ = ["Pipeline", "ideal_bubble"]
+
+TIED_TAG, TARGET_TAG, GATHER_TAG = 1, 2, 3
+MICRO_TAG = 16  # micro-batch i's activations go with tag MICRO_TAG + 2i, their gradients with MICRO_TAG + 2i + 1
+STATS_KEY = "cpn/pipeline"
+
+
+def ideal_bubble(stages: int, micro_batches: int) -> float:
+    """The idle fraction of a 1F1B (or GPipe) schedule on free links: (P-1)/(M+P-1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def micro_sizes(tokens: int, seq_len: int, micro_batches: int) -> list[tuple[int, int]]:
+    """``tokens`` as micro-batches of (sequences, length): whole sequences in up to ``micro_batches``
+    near-equal parts, then the partial sequence of a trimmed step on its own."""
+    n, tail = divmod(tokens, seq_len)
+    m = min(micro_batches, n)
+    out = [(n // m + (1 if i < n % m else 0), seq_len) for i in range(m)] if m else []
+    return out + ([(1, tail)] if tail else [])
+
+
+@dataclass
+class PipeStats:
+    idle: float = 0.0
+    schedule: float = 0.0
+    activation_bytes: int = 0
+    gradient_bytes: int = 0
+    eval_bytes: int = 0
+
+
+class Pipeline(Strategy):
+    name = "pipeline"
+    owns_forward_backward: ClassVar[bool] = True
+
+    @classmethod
+    def check(cls, cfg: TrainConfig, topology: Topology) -> None:
+        from cpn.runtime.presets import PRESETS
+
+        sites, stages = topology.num_sites, cfg.strategy.stages or topology.num_sites
+        if stages != sites:
+            raise ValueError(f"strategy.stages {stages} must equal the job's {sites} sites (one stage per site; "
+                             f"replicas of the pipeline are not supported yet): drop stages or set it to {sites}")
+        if not topology.is_uniform:
+            raise ValueError(f"pipeline needs the same number of workers at every site, got "
+                             f"{[s.ranks for s in topology.sites]}: even out the sites")
+        units = PRESETS[cfg.model].n_layers + 2
+        if stages > units:
+            raise ValueError(f"model {cfg.model!r} has {units} units (embedding, {units - 2} blocks, head), too few "
+                             f"for {stages} stages: use a deeper model or fewer sites")
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        topo = ctx.groups.topology
+        self.check(self.cfg, topo)
+        self.P, self.W, self.local = topo.num_sites, topo.workers_per_site, ctx.groups.local_rank
+        self.cuts = cut_model(self.model, self.P)
+        self.stage = Stage(self.model, self.cuts[ctx.site])
+        self.params = self.stage.params()
+        self.opt = make_optimizer(self.cfg, self.params)
+        self.codec = get_codec(self.cfg.strategy.compression)
+        self.d_model = self.model.cfg.d_model
+        self.stats = PipeStats()
+        self.my_tokens = self.stage_tokens = 0
+        self._gathered = -1
+
+    # ------------------------------------------------------------------ peers
+    def _peer(self, stage: int) -> int:
+        return self.ctx.groups.topology.global_rank(stage, self.local)
+
+    @property
+    def s(self) -> int:
+        return self.ctx.site
+
+    # ------------------------------------------------------------------ the step
+    def plan_step(self, step: int) -> None:
+        """Every stage's local rank j takes the j-th share of the step; the tokens are reported by
+        stage 0's ranks only (each token is trained once, by the whole pipeline)."""
+        ctx, cfg = self.ctx, self.cfg
+        per_local = trim_shares(cfg.step_tokens(step), cfg.shares(self.W), cfg.seq_len)
+        self.my_tokens, self.stage_tokens = per_local[self.local], sum(per_local)
+        share = [0] * ctx.groups.world_size
+        for j, r in enumerate(ctx.groups.topology.ranks_of(0)):
+            share[r] = per_local[j]
+        ctx.step_share = share
+
+    def forward_backward(self, step: int) -> float | None:
+        micro = micro_sizes(self.my_tokens, self.cfg.seq_len, self.cfg.strategy.micro_batches)
+        if not micro:
+            return None
+        t0 = time.perf_counter()
+        self._idle = 0.0
+        self._sends: list[tuple[Any, Tensor]] = []
+        xs, ys = self._inputs(step, micro)
+        held: dict[int, tuple[Tensor, Tensor]] = {}
+        losses: list[float] = []
+        m, warm = len(micro), min(self.P - 1 - self.s, len(micro))
+        order = [("f", i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [("f", warm + i), ("b", i)]
+        order += [("b", i) for i in range(m - warm, m)]
+        for kind, i in order:
+            if kind == "f":
+                held[i] = self._forward(i, micro[i], xs, ys, losses)
+            else:
+                self._backward(i, micro[i], *held.pop(i))
+        self._wait_sends()
+        elapsed = time.perf_counter() - t0
+        self.stats.idle += self._idle
+        self.stats.schedule += elapsed
+        self.ctx.timers.add("compute", -self._idle)  # the loop books the whole call as compute
+        self.ctx.timers.add("wait", self._idle)
+        return sum(losses) if self.stage.has_head else None
+
+    def _inputs(self, step: int, micro: list[tuple[int, int]]) -> tuple[list[Tensor], list[Tensor]]:
+        """Stage 0: this step's token windows cut into micro-batches; the last stage: their targets
+        (sent by stage 0, one byte per token for byte vocabularies)."""
+        rows = sum(b for b, t in micro)
+        xs: list[Tensor] = []
+        y: Tensor | None = None
+        if self.stage.has_embed:
+            x, y = (t.to(self.ctx.device) for t in self.ctx.sampler.batch(step, rows))
+            xs = _split(x, micro)
+            if not self.stage.has_head:
+                wire = y.to(self.target_dtype).cpu()
+                self._send(wire, self._peer(self.P - 1), TARGET_TAG, "activation")
+        elif self.stage.has_head:
+            wire = torch.empty((rows, self.cfg.seq_len), dtype=self.target_dtype)
+            self._recv(wire, self._peer(0), TARGET_TAG)
+            y = wire.long().to(self.ctx.device)
+        return xs, (_split(y, micro) if self.stage.has_head and y is not None else [])
+
+    @property
+    def target_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.model.cfg.vocab_size <= 256 else torch.int32
+
+    def _forward(self, i: int, shape: tuple[int, int], xs: list[Tensor], ys: list[Tensor],
+                 losses: list[float]) -> tuple[Tensor, Tensor]:
+        if self.stage.has_embed:
+            inp = xs[i]
+        else:
+            inp = self._recv_tensor((*shape, self.d_model), self._peer(self.s - 1), MICRO_TAG + 2 * i)
+            inp.requires_grad_(True)
+        with autocast(self.ctx.device, self.cfg.device.precision):
+            out = self.stage(inp)
+            if self.stage.has_head:
+                out = self.stage.loss(out, ys[i]) * (shape[0] * shape[1] / self.my_tokens)
+        if self.stage.has_head:
+            losses.append(out.item())
+        else:
+            self._send_tensor(out.detach(), self._peer(self.s + 1), MICRO_TAG + 2 * i, "activation")
+        return inp, out
+
+    def _backward(self, i: int, shape: tuple[int, int], inp: Tensor, out: Tensor) -> None:
+        if self.stage.has_head:
+            out.backward()
+        else:
+            grad = self._recv_tensor(tuple(out.shape), self._peer(self.s + 1), MICRO_TAG + 2 * i + 1)
+            torch.autograd.backward(out, grad_tensors=grad.to(out.dtype))
+        if not self.stage.has_embed:
+            self._send_tensor(inp.grad, self._peer(self.s - 1), MICRO_TAG + 2 * i + 1, "gradient")
+
+    # ------------------------------------------------------------------ the wire
+    def _padded(self, n: int) -> int:
+        align = self.codec.align if self.codec else 1
+        return -(-n // align) * align
+
+    def _send_tensor(self, t: Tensor, dst: int, tag: int, kind: str) -> None:
+        flat = t.detach().float().reshape(-1).cpu()
+        if self.codec is not None:
+            buf = torch.zeros(self._padded(flat.numel()))
+            buf[: flat.numel()] = flat
+            flat = self.codec.encode(buf)
+        self._send(flat.contiguous(), dst, tag, kind)
+
+    def _recv_tensor(self, shape: tuple[int, ...], src: int, tag: int) -> Tensor:
+        n = 1
+        for k in shape:
+            n *= k
+        if self.codec is None:
+            buf = torch.empty(n)
+            self._recv(buf, src, tag)
+            return buf.view(shape).to(self.ctx.device)
+        wire = torch.empty(self.codec.wire_bytes(self._padded(n)), dtype=torch.uint8)
+        self._recv(wire, src, tag)
+        return self.codec.decode(wire, self._padded(n))[:n].view(shape).to(self.ctx.device)
+
+    def _send(self, t: Tensor, dst: int, tag: int, kind: str) -> None:
+        nbytes = t.numel() * t.element_size()
+        self.ctx.timers.wan_bytes += nbytes
+        if kind == "activation":
+            self.stats.activation_bytes += nbytes
+        elif kind == "gradient":
+            self.stats.gradient_bytes += nbytes
+        else:
+            self.stats.eval_bytes += nbytes
+        self._sends.append((dist.isend(t, dst, tag=tag), t))
+
+    def _recv(self, t: Tensor, src: int, tag: int) -> None:
+        t0 = time.perf_counter()
+        dist.recv(t, src, tag=tag)
+        self._idle += time.perf_counter() - t0
+
+    def _wait_sends(self) -> None:
+        t0 = time.perf_counter()
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+        self._idle += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ after the schedule
+    def after_backward(self, step: int) -> None:
+        ctx = self.ctx
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.W > 1:
+            grads = [p.grad for p in self.params]
+            weigh(grads, (self.my_tokens * self.W, self.stage_tokens))
+            with ctx.timers.timed("comm"):
+                ctx.account(site_allreduce(grads, ctx.groups, op="avg"))
+        if self.stage.ties_embedding:
+            self._sum_tied_grad()
+        if self.stage_tokens:
+            self._inner_step()
+        if (step + 1) % self.cfg.val_every == 0:
+            self._gather(step + 1)
+
+    def _sum_tied_grad(self) -> None:
+        """First and last stage add their gradients of the token table (a + b == b + a exactly)."""
+        grad = self.model.tok.weight.grad
+        peer = self._peer(self.P - 1 if self.stage.has_embed else 0)
+        incoming = torch.empty(grad.numel())
+        self._sends, self._idle = [], 0.0
+        with self.ctx.timers.timed("comm"):
+            self._send(grad.detach().float().reshape(-1).cpu().clone(), peer, TIED_TAG, "gradient")
+            self._recv(incoming, peer, TIED_TAG)
+            self._wait_sends()
+        grad.add_(incoming.view_as(grad).to(grad.device, grad.dtype))
+
+    def _gather(self, step: int) -> None:
+        """Every later stage's parameters to rank 0, whose whole model the loop evaluates."""
+        if step == self._gathered or self.P == 1:
+            return
+        self._gathered = step
+        ctx, self._sends, self._idle = self.ctx, [], 0.0
+        with ctx.timers.timed("comm"):
+            if ctx.rank == 0:
+                for cut in self.cuts[1:]:
+                    owned = Stage(self.model, cut).owned_params()
+                    flat = torch.empty(sum(p.numel() for p in owned))
+                    self._recv(flat, self._peer_leader(cut.index), GATHER_TAG)
+                    _load(owned, flat)
+            elif ctx.is_leader and self.s > 0:
+                self._send(flat_params_of(self.stage.owned_params()), 0, GATHER_TAG, "eval")
+                self._wait_sends()
+
+    def _peer_leader(self, stage: int) -> int:
+        return self.ctx.groups.topology.leader_rank(stage)
+
+    def finish(self, step: int) -> None:
+        self._gather(step)
+        record = {"idle": self.stats.idle, "schedule": self.stats.schedule, "activation": self.stats.activation_bytes,
+                  "gradient": self.stats.gradient_bytes, "eval": self.stats.eval_bytes}
+        self.ctx.store.set(f"{STATS_KEY}/{self.ctx.rank}", json.dumps(record))
+
+    def summary_extras(self) -> dict[str, Any]:
+        ranks = range(self.ctx.groups.world_size)
+        records = [json.loads(self.ctx.store.get(f"{STATS_KEY}/{r}")) for r in ranks]
+        schedule = sum(r["schedule"] for r in records)
+        names = unit_names(self.model)
+        m = min(self.cfg.strategy.micro_batches, max(1, self.cfg.shares(self.W)[-1]))
+        return {
+            "bubble_fraction": round(sum(r["idle"] for r in records) / schedule, 4) if schedule else None,
+            "bubble_ideal": round(ideal_bubble(self.P, m), 4),
+            "micro_batches": m,
+            "stages": [[names[u] for u in range(c.start, c.end)] for c in self.cuts],
+            "wan_activation_bytes": sum(r["activation"] for r in records),
+            "wan_gradient_bytes": sum(r["gradient"] for r in records),
+            "wan_eval_bytes": sum(r["eval"] for r in records),
+        }
+
+
+def _split(t: Tensor, micro: list[tuple[int, int]]) -> list[Tensor]:
+    out, row = [], 0
+    for b, length in micro:
+        out.append(t[row : row + b, :length])
+        row += b
+    return out
+
+
+def flat_params_of(params: list[Tensor]) -> Tensor:
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in params])
+
+
+@torch.no_grad()
+def _load(params: list[Tensor], flat: Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(flat[offset : offset + n].view_as(p).to(p.device, p.dtype))
+        offset += n

@@ -1,0 +1,125 @@
+"""The pipeline strategy: the cut, equivalence with one process, loss, bubble and WAN bytes (real Gloo processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpn.runtime.config import StrategyConfig, TrainConfig, trim_shares
+from cpn.runtime.data import ShardSampler, load_corpus, split_corpus
+from cpn.runtime.model import build_model, count_parameters
+from cpn.runtime.stages import Stage, cut_model, partition, unit_sizes
+from cpn.runtime.strategies.base import lr_at, make_optimizer
+from cpn.runtime.strategies.pipeline import ideal_bubble, micro_sizes
+from cpn.runtime.topology import Topology
+from cpn.runtime.train import FINAL_MODEL, preflight, run_local
+
+
+def pipe(*, steps: int, extra_tokens: int = 0, **knobs: object) -> TrainConfig:
+    top = {k: knobs.pop(k) for k in ("optimizer", "lr", "model") if k in knobs}
+    return TrainConfig(
+        seq_len=64, global_batch_tokens=1024, tokens=1024 * steps + extra_tokens, val_every=10, val_batches=2,
+        strategy=StrategyConfig(**{"name": "pipeline", "micro_batches": 4, "wan_timeout_seconds": 8.0, **knobs}),
+        **{"model": "tiny", **top},
+    )
+
+
+def run(cfg: TrainConfig, run_dir: Path, sites: int, workers: int) -> dict:
+    return run_local(cfg, Topology.uniform(sites, workers), run_dir=run_dir, timeout=120, start_method="fork")
+
+
+def test_the_cut_minimises_the_largest_stage_and_covers_every_parameter() -> None:
+    assert partition([5, 1, 1, 1, 5], 3) == [(0, 1), (1, 4), (4, 5)]
+    assert partition([1, 2, 3], 1) == [(0, 3)]
+    with pytest.raises(ValueError, match="between 1 and 3 stages"):
+        partition([1, 2, 3], 4)
+    model = build_model("small")
+    sizes = unit_sizes(model)
+    tied = model.tok.weight.numel()
+    assert sum(sizes) == count_parameters(model) + tied  # the head counts its copy of the token table
+    stages = [Stage(model, c) for c in cut_model(model, 3)]
+    owned = [p for s in stages for p in s.owned_params()]
+    assert len(owned) == len({id(p) for p in owned}) == len(list(model.parameters()))
+    assert stages[0].ties_embedding and stages[2].ties_embedding and not stages[1].ties_embedding
+    x = torch.randint(0, 256, (2, 16))
+    h = x
+    for s in stages:
+        h = s(h)
+    torch.testing.assert_close(h, model(x))
+
+
+def test_micro_batches_split_whole_sequences_then_the_partial_one() -> None:
+    assert micro_sizes(8 * 64, 64, 4) == [(2, 64)] * 4
+    assert micro_sizes(3 * 64 + 10, 64, 4) == [(1, 64)] * 3 + [(1, 10)]
+    assert micro_sizes(0, 64, 4) == []
+    assert ideal_bubble(3, 8) == pytest.approx(0.2)
+
+
+def reference(cfg: TrainConfig, shards: int, ranks: list[int]) -> dict[str, torch.Tensor]:
+    """One process training the whole model on the pipeline's batches: stage 0's ranks' shares."""
+    train = split_corpus(load_corpus(cfg.corpus_bytes)).train
+    samplers = [ShardSampler(train, shard=r, num_shards=shards, seq_len=cfg.seq_len, seed=cfg.seed) for r in ranks]
+    model = build_model(cfg.model, seed=cfg.seed)
+    opt = make_optimizer(cfg, list(model.parameters()))
+    shares = cfg.shares(len(ranks))
+    for step in range(cfg.total_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, cfg.tokens_through(step) / cfg.tokens)
+        tokens = cfg.step_tokens(step)
+        per_rank = trim_shares(tokens, shares, cfg.seq_len)
+        loss = 0.0
+        for sampler, mine in zip(samplers, per_rank, strict=True):
+            full, tail = divmod(mine, cfg.seq_len)
+            x, y = sampler.batch(step, full + (1 if tail else 0))
+            parts = [(x[:full], y[:full])] if full else []
+            parts += [(x[full:, :tail], y[full:, :tail])] if tail else []
+            for a, b in parts:
+                loss = loss + model.loss(a, b) * (a.numel() / tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(("sites", "workers"), [(2, 1), (2, 2)])
+def test_two_stages_train_the_same_parameters_as_one_process(sites: int, workers: int, tmp_path: Path) -> None:
+    cfg = pipe(steps=6, extra_tokens=100, compression="none")  # the 7th step is trimmed mid-sequence
+    summary = run(cfg, tmp_path, sites, workers)
+    assert summary["tokens"] == cfg.tokens  # every token once, not once per stage
+    got = torch.load(tmp_path / FINAL_MODEL, weights_only=True)
+    want = reference(cfg, sites * workers, list(range(workers)))
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_three_stages_lower_the_loss_and_report_bubble_and_wan_bytes(compression: str, tmp_path: Path) -> None:
+    cfg = pipe(steps=40, compression=compression)
+    summary = run(cfg, tmp_path, 3, 1)
+    assert summary["stages"] == [["embed"], ["block0"], ["block1", "head"]]  # by parameter count
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.5, summary
+    assert 0 < summary["bubble_fraction"] < 1
+    assert summary["bubble_ideal"] == pytest.approx(ideal_bubble(3, 4), abs=1e-4)
+    split = summary["wan_activation_bytes"] + summary["wan_gradient_bytes"] + summary["wan_eval_bytes"]
+    assert split == summary["wan_bytes"]
+    fp32 = cfg.tokens * build_model("tiny").cfg.d_model * 4 * 2  # two cuts' activations in float32
+    targets = cfg.tokens  # one byte per target token, stage 0 to the last stage
+    if compression == "none":
+        assert summary["wan_activation_bytes"] == fp32 + targets
+    else:
+        assert summary["wan_activation_bytes"] < 0.3 * fp32
+
+
+def test_preflight_refuses_a_pipeline_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="must equal the job's 2 sites"):
+        preflight(pipe(steps=4, stages=3), Topology.uniform(2, 1))
+    uneven = Topology.model_validate({"sites": [{"name": "a", "ranks": 1}, {"name": "b", "ranks": 2}]})
+    with pytest.raises(ValueError, match="same number of workers at every site"):
+        preflight(pipe(steps=4), uneven)
+    with pytest.raises(ValueError, match="too few for 5 stages"):
+        preflight(pipe(steps=4), Topology.uniform(5, 1))
+    with pytest.raises(ValueError, match="stages is only for the pipeline"):
+        StrategyConfig(name="ddp", stages=2)
