@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Mapping
 from decimal import Decimal
+from functools import lru_cache
 
 from layers.orchestration.planning.types import (
     Assignment,
@@ -24,13 +25,13 @@ from layers.orchestration.planning.types import (
     WanLink,
 )
 
-__all__ = ["DEFAULT_GBPS", "DEFAULT_PRICE_PER_GB", "add_to", "moves", "routes", "site_costs"]
+__all__ = ["DEFAULT_GBPS", "DEFAULT_PRICE_PER_GB", "add_to", "moves", "routes", "routes_for", "site_costs"]
 
 DEFAULT_PRICE_PER_GB = Decimal("0.09")  # public-internet egress: the common cloud list price per GB
 DEFAULT_GBPS = 1.0  # what one site can count on pulling from the internet
 
 
-def routes(need: DataNeed, sites: Iterable[str], links: list[WanLink]) -> dict[str, DataMove | None]:
+def routes(need: DataNeed, sites: Iterable[str], links: Iterable[WanLink]) -> dict[str, DataMove | None]:
     """Each site's copy of the dataset (None: it holds a replica), over the cheapest link paths from
     any replica (a multi-source Dijkstra on price; ties go to the fewer hops)."""
     graph: dict[str, list[WanLink]] = {}
@@ -58,6 +59,13 @@ def routes(need: DataNeed, sites: Iterable[str], links: list[WanLink]) -> dict[s
         out[site] = DataMove(source=source or None, gb=need.size_gb, price_per_gb=price,
                              seconds=need.size_gb * 8 / max(gbps, 1e-9))
     return out
+
+
+@lru_cache(maxsize=64)
+def routes_for(need: DataNeed, sites: tuple[str, ...], links: tuple[WanLink, ...]) -> dict[str, DataMove | None]:
+    """:func:`routes` once per (dataset, sites, links): a quote plans three objectives on the same inputs.
+    The result is shared: read it, never change it."""
+    return routes(need, sites, links)
 
 
 def moves(routes_: Mapping[str, DataMove | None], sites: Iterable[str]) -> dict[str, DataMove]:

@@ -306,7 +306,7 @@ def build_problem(req: JobRequirements, offers: list[ClusterOffer], links: list[
         sites_max=req.sites_max if req.sites_max is not None else max(MAX_SITES, req.sites_min),
     )
     if req.data is not None:  # over every link: a replica may sit at a site with no free GPUs
-        problem.data_routes = data.routes(req.data, sites, links)
+        problem.data_routes = data.routes_for(req.data, tuple(sites), tuple(links))
     _set_references(problem)
     return problem
 
