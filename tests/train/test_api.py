@@ -66,6 +66,18 @@ def test_user_model_trains_and_ranks_agree(strategy: str, topology: Topology, tm
     assert set(final) == {"body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"}
 
 
+def test_a_script_that_sizes_its_batch_by_trainer_units_trains_exactly_the_budget(tmp_path: Path) -> None:
+    """10 steps of 64 units and 40 left: an 11th step trimmed to 40, split 16/16/8 over 3 ranks."""
+    cfg = config("ddp").model_copy(update={"tokens": 64 * 10 + 40})
+    out = run(cfg, Topology.uniform(3, 1), tmp_path, args={"units": True})
+    assert all(o["budget"] == [680, 64, 11] and o["last_step"] == 40 and o["steps"] == 11 for o in out)
+    finals = [[json.loads(x) for x in (tmp_path / "metrics" / f"rank{r}.jsonl").read_text().splitlines()
+               if json.loads(x)["final"]][0] for r in range(3)]
+    assert [f["tokens"] for f in finals] == [32 * 10 + 16, 16 * 10 + 16, 16 * 10 + 8]
+    assert sum(f["tokens"] for f in finals) == 680 and all(f["jobTokens"] == 680 for f in finals)
+    assert out[0]["last"] < out[0]["first"]
+
+
 def test_diloco_talks_across_sites_less_than_ddp(tmp_path: Path) -> None:
     topo = Topology.uniform(2, 1)
     run(config("ddp"), topo, tmp_path / "ddp")

@@ -50,8 +50,9 @@ def main() -> None:
     trainer.report(val_loss=first)
     losses, i = [], 0
     while not trainer.done:
-        batch = [mine[(i + k) % len(mine)] for k in range(cfg["batch"])]
-        i += cfg["batch"]
+        size = trainer.units if cfg.get("units") else cfg["batch"]  # units: this rank's share of the step
+        batch = [mine[(i + k) % len(mine)] for k in range(size)]
+        i += size
         x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
         loss = nn.functional.mse_loss(model(x), y)
         trainer.step(loss, tokens=len(batch))
@@ -66,4 +67,5 @@ def main() -> None:
                                "first": first, "last": last, "steps": trainer.steps, "digest": digest,
                                "shard": [float(mine[0][0][0]), len(mine)],
                                "budget": [job.budget.units, job.budget.per_step, job.budget.steps],
+                               "last_step": job.budget.last_step,
                                "config": job.config}))
