@@ -95,9 +95,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if _public(request):
         return await handler(request)
     header = request.headers.get("Authorization")
-    db = request.app[state.DB]
-    async with db.session() as session:
-        principal = await tokens.authenticate(session, header)
+    principal = await tokens.authenticate_request(request.app[state.DB], header)
     if principal.role is Role.WORKER and not _worker_may(request, principal.job or ""):
         raise errors.Forbidden("a worker token may only report metrics and checkpoints for its own job")
     if principal.role is not Role.WORKER and not request.app[RATE].allow(principal.token_id or principal.account_id):

@@ -71,6 +71,7 @@ def as_utc(value: datetime | None) -> datetime | None:
 
 
 POOL_RECYCLE_SECONDS = 1800  # PostgreSQL connections older than this are replaced at checkout
+PG_SESSION_SLOTS = 32  # concurrent transactions per server on PostgreSQL (more only queue inside 2 cores)
 
 
 class Database:
@@ -87,8 +88,11 @@ class Database:
             # No pre-ping: it cost two round trips (BEGIN, ROLLBACK) on every checkout, ~10 of a quote's ~35.
             # A connection that died with the server fails its first use instead: that request gets a 503
             # (below) and SQLAlchemy invalidates the whole pool, so the next requests reconnect.
-            kwargs.update(pool_size=20, max_overflow=30, pool_recycle=POOL_RECYCLE_SECONDS)
-            slots = 45
+            # The pool keeps a connection for every gate slot plus the few held outside sessions (the
+            # leader's lock): a burst used to open and close the 25 overflow connections over and over
+            # (a PostgreSQL backend forked, every statement prepared again, for each).
+            slots = PG_SESSION_SLOTS
+            kwargs.update(pool_size=slots + 4, max_overflow=10, pool_recycle=POOL_RECYCLE_SECONDS)
         # Admission control: a burst of requests queues here, in order, instead of timing out in the
         # connection pool. No code path holds one session while it opens another.
         self._gate = asyncio.Semaphore(slots)
@@ -124,6 +128,19 @@ class Database:
                 await session.rollback()
                 if _is_serialization_failure(exc):
                     raise errors.Conflict("concurrent update; retry the request") from exc
+                raise
+
+    async def read_row(self, stmt: Any) -> Any:
+        """The first row of one read-only statement, outside a transaction (autocommit: one round trip
+        instead of BEGIN + statement + COMMIT), through the same admission gate as sessions."""
+        async with self._gate, self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                return (await conn.execute(stmt)).first()
+            except DBAPIError as exc:
+                if exc.connection_invalidated:
+                    raise errors.Unavailable("the connection to the database was lost (did it restart?); "
+                                             "retry the request") from exc
                 raise
 
     @contextlib.asynccontextmanager
