@@ -77,7 +77,7 @@ function section(title, ...children) {
 
 // ---------------------------------------------------------------- formatting
 
-const UNITS = { "gpu-hours": "GPU-h", egress: "GB" };
+const UNITS = { "gpu-hours": "GPU-h", egress: "GB", "data-transfer": "GB" };
 
 const fmt = {
   num: (v, digits = 0) => (v === null || v === undefined || Number.isNaN(Number(v)) ? "-"
