@@ -129,8 +129,7 @@ async def audit_middleware(request: web.Request, handler: Handler) -> web.Stream
         principal = request.get(PRINCIPAL)
         if principal is not None:
             try:
-                async with request.app[state.DB].session() as session:
-                    await audit.record(session, principal, request.method, request.path_qs, status, result,
-                                       request.get("request_id"))
+                await audit.write(request.app[state.DB], principal, request.method, request.path_qs, status, result,
+                                  request.get("request_id"))
             except Exception:  # noqa: BLE001 - auditing must not turn a success into a failure
                 log.exception("could not write the audit record")

@@ -133,10 +133,17 @@ class Database:
     async def read_row(self, stmt: Any) -> Any:
         """The first row of one read-only statement, outside a transaction (autocommit: one round trip
         instead of BEGIN + statement + COMMIT), through the same admission gate as sessions."""
+        return await self._autocommit(stmt, lambda result: result.first())
+
+    async def write_once(self, stmt: Any) -> None:
+        """One statement that is a whole transaction by itself (an INSERT of one row), in autocommit."""
+        await self._autocommit(stmt, lambda result: None)
+
+    async def _autocommit(self, stmt: Any, take: Any) -> Any:
         async with self._gate, self.engine.connect() as conn:
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             try:
-                return (await conn.execute(stmt)).first()
+                return take(await conn.execute(stmt))
             except DBAPIError as exc:
                 if exc.connection_invalidated:
                     raise errors.Unavailable("the connection to the database was lost (did it restart?); "

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from cpn.core.db import Database
 from cpn.core.principal import Principal
 from layers.orchestration.identity.models import AuditRecord
 
@@ -16,6 +17,15 @@ async def record(session: AsyncSession, principal: Principal | None, method: str
         account_name=principal.name if principal else None,
         method=method, path=path[:512], status=status, result=result, request_id=request_id,
     ))
+
+
+async def write(db: Database, principal: Principal | None, method: str, path: str, status: int, result: str,
+                request_id: str | None) -> None:
+    """`record` as a transaction of its own: one INSERT in autocommit, one round trip."""
+    await db.write_once(insert(AuditRecord).values(
+        account_id=principal.account_id if principal else None,
+        account_name=principal.name if principal else None,
+        method=method, path=path[:512], status=status, result=result, request_id=request_id))
 
 
 async def recent(session: AsyncSession, principal: Principal, limit: int = 100) -> list[AuditRecord]:
