@@ -18,7 +18,7 @@ from cpn.runtime.config import AUTO, StrategyConfig, TrainConfig
 from cpn.runtime.presets import PRESETS
 from cpn.runtime.topology import Topology
 
-__all__ = ["Link", "explain", "link_of", "resolve", "resolve_strategy_name"]
+__all__ = ["Job", "Link", "choose", "explain", "link_of", "resolve", "resolve_strategy_name"]
 
 # WAN budget: an elastic strategy moves at most this fraction of the bytes data-parallel training would
 # (DiLoCo reports 500x less at H=500; 1/110 keeps the 100x of the issue with a margin for rounding).
@@ -44,6 +44,16 @@ class Link:
     rtt_ms: float = 0.0
 
 
+@dataclass(frozen=True)
+class Job:
+    """What the rule needs of a job and its placement, in numbers (the planner has no TrainConfig)."""
+
+    parameters: int
+    sites: int
+    world: int
+    total_steps: int
+
+
 def link_of(topology: Topology, wan_mbps: float | None = None) -> Link:
     rates = [lk.bandwidth_mbps for lk in topology.links]
     rates += [r for r in (topology.uplink_mbps(s) for s in range(topology.num_sites)) if r]
@@ -64,26 +74,34 @@ def _step_compute_seconds(cfg: TrainConfig, topology: Topology) -> float:
     return 6 * _params(cfg) * cfg.global_batch_tokens / (per_worker * topology.world_size)
 
 
-def _ddp_wan_bytes_per_step(cfg: TrainConfig, topology: Topology) -> float:
+def _job(cfg: TrainConfig, topology: Topology) -> Job:
+    return Job(_params(cfg), topology.num_sites, topology.world_size, cfg.total_steps)
+
+
+def _ddp_wan_bytes_per_step(job: Job) -> float:
     """What ddp's flat ring moves across site boundaries per step: 2(N−1)/N·4P on each of the S boundary hops."""
-    n, s = topology.world_size, topology.num_sites
-    return 2 * (n - 1) / n * 4 * _params(cfg) * s
+    n, s = job.world, job.sites
+    return 2 * (n - 1) / n * 4 * job.parameters * s
 
 
 def _wire_bytes_per_param(compression: str) -> float:
     return {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / 256}[compression]
 
 
-def _exchange_bytes(cfg: TrainConfig, topology: Topology, compression: str) -> float:
+def _exchange_bytes(job: Job, compression: str) -> float:
     """One outer round: every leader sends its (coded) pseudo-gradient to the S−1 others (all-gather)."""
-    s = topology.num_sites
-    return s * (s - 1) * _wire_bytes_per_param(compression) * _params(cfg)
+    return job.sites * (job.sites - 1) * _wire_bytes_per_param(compression) * job.parameters
 
 
 def _exchange_seconds(cfg: TrainConfig, topology: Topology, link: Link, compression: str) -> float:
+    return _round_seconds(_job(cfg, topology), link, compression)
+
+
+def _round_seconds(job: Job, link: Link, compression: str) -> float:
+    """One outer exchange at the link rate (each leader's share of the all-gather), plus the RTT."""
     if not link.mbps:
         return 0.0
-    per_leader = _exchange_bytes(cfg, topology, compression) / topology.num_sites
+    per_leader = _exchange_bytes(job, compression) / job.sites
     return per_leader * 8 / (link.mbps * 1e6) + link.rtt_ms / 1e3
 
 
@@ -107,12 +125,40 @@ def resolve_strategy_name(cfg: TrainConfig, topology: Topology, link: Link) -> s
 
 
 def _inner_steps(cfg: TrainConfig, topology: Topology, compression: str) -> int:
+    return _h(_job(cfg, topology), compression)
+
+
+def _h(job: Job, compression: str) -> int:
     """H: the smallest that keeps the WAN bytes within :data:`WAN_FRACTION` of ddp's, at least
     :data:`MIN_H`, and at most total_steps / :data:`MIN_ROUNDS`."""
-    if topology.num_sites == 1:
-        return max(1, min(MIN_H, cfg.total_steps))
-    budget = math.ceil(_exchange_bytes(cfg, topology, compression) / (WAN_FRACTION * _ddp_wan_bytes_per_step(cfg, topology)))
-    return max(1, min(max(MIN_H, budget), cfg.total_steps // MIN_ROUNDS or 1))
+    if job.sites == 1:
+        return max(1, min(MIN_H, job.total_steps))
+    budget = math.ceil(_exchange_bytes(job, compression) / (WAN_FRACTION * _ddp_wan_bytes_per_step(job)))
+    return max(1, min(max(MIN_H, budget), job.total_steps // MIN_ROUNDS or 1))
+
+
+def choose(name: str, job: Job, link: Link, step_seconds: float, *, inner_steps: int | None = None,
+           compression: str = AUTO, overlap: bool | None = None) -> tuple[int, str, bool, int]:
+    """``(H, compression, overlap, τ)`` for strategy ``name`` (not ``auto``): explicit values kept, the
+    rest by the rule (``docs/runtime-training.md``, "Defaults"). :func:`resolve` uses it for a worker's
+    config; the planner's compute model prices the same choice for a placement (one source)."""
+    multi = job.sites > 1
+    elastic_avg = name in ("diloco", "local_sgd")
+    if compression == AUTO:  # int8 + error feedback on pseudo-gradients costs ~0.1 % loss here, saves 3.9x bytes
+        compression = "int8" if multi and elastic_avg else "none"
+    h = inner_steps
+    if h is None:
+        h = _h(job, compression if elastic_avg else "int8")
+        if name in ("gossip", "ssp"):
+            h = max(1, h // 4)
+        if not elastic_avg and name not in ("gossip", "ssp"):
+            h = 1
+    exchange_s = _round_seconds(job, link, compression)
+    if overlap is None:
+        overlap = elastic_avg and multi and exchange_s > OVERLAP_HIDE * h * step_seconds
+    # merge the outer update as soon as it can have arrived (Streaming DiLoCo's τ)
+    tau = max(1, min(max(1, h // 2), math.ceil(exchange_s / max(step_seconds, 1e-9))))
+    return h, compression, bool(overlap), tau
 
 
 def resolve(cfg: TrainConfig, topology: Topology, wan_mbps: float | None = None) -> TrainConfig:
@@ -123,31 +169,16 @@ def resolve(cfg: TrainConfig, topology: Topology, wan_mbps: float | None = None)
     link = link_of(topology, wan_mbps)
     name = resolve_strategy_name(cfg, topology, link) if s.name == AUTO else s.name
     multi = topology.num_sites > 1
-    elastic_avg = name in ("diloco", "local_sgd")
-    compression = s.compression
-    if compression == AUTO:  # int8 + error feedback on pseudo-gradients costs ~0.1 % loss here, saves 3.9x bytes
-        compression = "int8" if multi and elastic_avg else "none"
-    h = s.inner_steps
-    if h is None:
-        h = _inner_steps(cfg, topology, compression if elastic_avg else "int8")
-        if name in ("gossip", "ssp"):
-            h = max(1, h // 4)
-        if not elastic_avg and name not in ("gossip", "ssp"):
-            h = 1
+    step_s = _step_compute_seconds(cfg, topology)
+    h, compression, overlap, tau = choose(name, _job(cfg, topology), link, step_s, inner_steps=s.inner_steps,
+                                          compression=s.compression, overlap=s.overlap)
+    tau = s.overlap_steps if s.overlap_steps is not None else tau
     rounds = cfg.total_steps / max(1, h)
     momentum = s.outer_momentum
     if momentum is None:
         momentum = 0.9 if rounds >= MOMENTUM_ROUNDS else 0.0
     outer_lr = s.outer_lr if s.outer_lr is not None else (0.7 if momentum > 0 else 1.0)
     nesterov = s.nesterov if s.nesterov is not None else momentum > 0
-    step_s = _step_compute_seconds(cfg, topology)
-    exchange_s = _exchange_seconds(cfg, topology, link, compression)
-    overlap = s.overlap
-    if overlap is None:
-        overlap = elastic_avg and multi and exchange_s > OVERLAP_HIDE * h * step_s
-    tau = s.overlap_steps
-    if tau is None:  # merge the outer update as soon as it can have arrived (Streaming DiLoCo's τ)
-        tau = max(1, min(max(1, h // 2), math.ceil(exchange_s / max(step_s, 1e-9))))
     balance = s.balance if s.balance is not None else (multi and name in ("hierarchical", "diloco", "local_sgd"))
     strategy = StrategyConfig.model_validate({
         **s.model_dump(), "name": name, "compression": compression, "inner_steps": h, "outer_lr": outer_lr,

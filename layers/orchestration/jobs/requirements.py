@@ -30,6 +30,7 @@ def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequi
         compression=None if spec.compression in (None, "none") else spec.compression, staleness=spec.staleness,
         gpus_min=spec.gpus.min, gpus_max=spec.gpus.max,
         **{k: v for k, v in (("inner_steps", spec.inner_steps), ("overlap", spec.overlap)) if v is not None},
+        autotuned=frozenset(k for k in ("inner_steps", "compression", "overlap") if getattr(spec, k) is None),
         gpu_models=frozenset(spec.gpus.models) or None, sites_min=spec.sites.min, sites_max=spec.sites.max,
         regions=frozenset(spec.placement.regions) or None, sites=frozenset(spec.placement.sites) or None,
         exclude_sites=frozenset(spec.placement.exclude_sites), deadline_seconds=deadline,

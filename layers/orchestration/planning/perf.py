@@ -23,6 +23,9 @@ all-reduce of the bf16 gradients, 2 B/param):
 | gossip | intra + max(0, K/B_wan + α_wan − H·compute)/H: every H steps one neighbour, in the background | fp32 parameters |
 | async_ps | W_s·(S−1)/S·K/B_wan + 2α_wan: every worker pushes its gradient to and pulls parameters from servers sharded over the sites, and waits for its pull | fp32 gradients |
 
+Knobs the job's spec leaves unset (H, compression, overlap: ``req.autotuned``) are priced as the
+runtime will run them: :func:`autotuned` asks :func:`cpn.runtime.autotune.choose` for this placement.
+
 Compression acts on the WAN leg only: the wire carries min(payload, 4 B · ratio) per parameter,
 ratio 0.5 for fp16/bf16 and (1 + 4/256)/4 for int8 with one fp32 scale per 256 values. So bf16
 gradients gain nothing from fp16/bf16, and a diloco pseudo-gradient halves or quarters.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import reduce
 from typing import Any
 
@@ -172,6 +176,27 @@ def intra_gbps_by_site(assignments: list[Assignment], offers: Mapping[str, Clust
     return out
 
 
+def autotuned(req: JobRequirements, strategy: str, site_gpus: Mapping[str, int], compute_s: float, wan_gbps: float,
+              rtt_ms: float) -> JobRequirements:
+    """``req`` with the knobs its spec left unset (H, WAN compression, overlap) chosen as the runtime's
+    autotune will choose them on this placement (:func:`cpn.runtime.autotune.choose`): one rule for
+    what runs and what is priced."""
+    if not req.autotuned:
+        return req
+    from cpn.runtime.autotune import Job, Link, choose
+
+    multi = len(site_gpus) > 1
+    job = Job(parameters=req.model.parameters, sites=len(site_gpus), world=int(sum(site_gpus.values())),
+              total_steps=max(1, math.ceil(req.tokens / req.global_batch_tokens)))
+    unset = req.autotuned
+    h, compression, overlap, _ = choose(
+        strategy, job, Link(wan_gbps * 1e3 if multi else None, rtt_ms if multi else 0.0), compute_s,
+        inner_steps=None if "inner_steps" in unset else req.inner_steps,
+        compression="auto" if "compression" in unset else (req.compression or "none"),
+        overlap=None if "overlap" in unset else req.overlap)
+    return replace(req, inner_steps=h, compression=None if compression == "none" else compression, overlap=overlap)
+
+
 def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
             offers: dict[str, ClusterOffer], links: list[WanLink], ring: list[str] | None = None) -> Prediction:
     """Predict time, bytes and cost of running `req` on `assignments` with `strategy`.
@@ -194,6 +219,7 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
     throughput = sum(a.gpus * calibration.effective_tflops(offers[a.cluster].gpu_model, offers[a.cluster].tflops)
                      for a in used) * 1e12
     compute = flops_per_step(req) / throughput
+    req = autotuned(req, strategy, site_gpus, compute, wan_gbps, rtt_ms)
     comm, sent = site_comm(req, strategy, compute, site_gpus, intra_gbps_by_site(used, offers), wan_gbps, rtt_ms)
     steps = steps_for(req, strategy)
     comm = float(comm)

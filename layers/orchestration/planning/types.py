@@ -124,6 +124,8 @@ class JobRequirements:
     budget: Decimal | None = None
     currency: str = "USD"
     workload: str = "lm"  # workload_of(spec.code.digest): learned factors are kept per workload
+    # knobs the spec left unset: the runtime's autotune chooses them per placement, and so does perf.predict
+    autotuned: frozenset[str] = frozenset()
     learned: Learned = Learned()
     data: DataNeed | None = None  # spec.dataset when it names a Dataset (planning/data.py)
 

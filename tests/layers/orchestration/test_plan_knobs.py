@@ -3,6 +3,8 @@ parameter-server layout is the one the compute model prices; the budget is the s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cpn.runtime.autotune import resolve
 from cpn.runtime.config import TrainConfig
 from cpn.runtime.topology import Topology
@@ -44,3 +46,25 @@ def test_the_budget_is_the_specs_exactly_and_a_changed_batch_is_announced() -> N
     assert TrainConfig.model_validate(train).tokens_through(10**6) == 100_000
     assert budget_note(odd, train).startswith("trains 100,000 tokens: 9 steps × 10,112 and a last step of 8,992")
     assert budget_note(spec(), train_config(spec(), "ddp", workers=4, resume=None)) is None
+
+
+def test_the_quote_prices_the_knobs_the_runtime_will_choose() -> None:
+    """A spec without innerSteps/compression/overlap: the compute model prices the H, int8 and overlap
+    that the runtime's autotune picks on the same placement, not the planner's own defaults."""
+    from cpn.runtime.autotune import Job, Link, choose
+    from layers.orchestration.jobs.requirements import requirements
+    from layers.orchestration.planning import perf
+    from tests.layers.orchestration.test_perf import two_sites
+
+    offers, links, placement = two_sites(gbps=0.02, rtt_ms=20.0)
+    req = requirements(spec(model="small", tokens=20_000_000))
+    assert req.autotuned == {"inner_steps", "compression", "overlap"}
+    quoted = perf.predict(req, placement, "diloco", offers, links)
+    compute = quoted.compute_seconds_per_step
+    h, compression, overlap, _ = choose("diloco", Job(req.model.parameters, 2, 16, -(-20_000_000 // 4096)),
+                                        Link(20.0, 20.0), compute)
+    assert (compression, h > 1) == ("int8", True)
+    pinned = replace(req, inner_steps=h, compression="int8", overlap=overlap, autotuned=frozenset())
+    assert quoted == perf.predict(pinned, placement, "diloco", offers, links)
+    defaults = replace(req, autotuned=frozenset())  # what was priced before: H=100, fp32, overlap on
+    assert perf.predict(defaults, placement, "diloco", offers, links).wan_bytes != quoted.wan_bytes
