@@ -22,7 +22,6 @@ from urllib.parse import quote
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_METRICS_TOKEN, ENV_RUN_DIR, TrainConfig
-from cpn.runtime.siteenv import ENV_RANK_OFFSET
 from cpn.runtime.topology import Topology
 
 __all__ = ["CONTRACT_VERSION", "ENV", "AttemptSpec", "CodeRef", "DataRef", "Endpoint", "torchrun_env",
@@ -34,7 +33,6 @@ CONTRACT_VERSION = "cpn.attempt/v1"
 class ENV:
     """Environment variable names the runtime reads, besides torchrun's own (one source)."""
 
-    RANK_OFFSET = ENV_RANK_OFFSET  # only for launchers that number ranks per site (torchrun in a pod)
     SITE_INDEX = "CPN_SITE_INDEX"
     JOB = "CPN_JOB"
     ATTEMPT = "CPN_ATTEMPT"

@@ -27,7 +27,6 @@ from cpn.runtime.groups import init_groups
 from cpn.runtime.launcher import launch
 from cpn.runtime.metrics import Recorder, default_sinks, gather_finals, summarize, write_summary
 from cpn.runtime.model import build_model
-from cpn.runtime.siteenv import globalise
 from cpn.runtime.strategies import Context, Strategy, build_strategy, strategy_class
 from cpn.runtime.strategies.async_ps import PS_STRATEGIES, check_ps
 from cpn.runtime.topology import Topology
@@ -167,7 +166,6 @@ def _summary(ctx: Context, strategy: Strategy, run_dir: str | None, recorder: Re
 
 
 def main() -> int:
-    globalise()  # site-local torchrun ranks → CPN's job-wide ranks (kubernetes driver)
     cfg = TrainConfig.from_env()
     summary = run_worker(cfg, os.environ.get(ENV_RUN_DIR))
     if summary is not None:

@@ -36,7 +36,6 @@ from cpn.runtime.contract import ENV
 from cpn.runtime.device import select_device, synchronize
 from cpn.runtime.groups import Groups, init_groups
 from cpn.runtime.metrics import Recorder, default_sinks
-from cpn.runtime.siteenv import globalise
 from cpn.runtime.strategies import Context, Strategy, build_strategy
 from cpn.runtime.strategies.async_ps import PS_STRATEGIES
 from cpn.runtime.strategies.base import flat_params, load_flat
@@ -334,7 +333,6 @@ def init() -> Job:
     global _JOB
     if _JOB is not None:
         return _JOB
-    globalise()  # site-local torchrun ranks → the job's ranks (kubernetes driver)
     cfg = TrainConfig.from_env()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     bound_at = time.perf_counter()
