@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 
 from layers.orchestration.planning import perf
-from layers.orchestration.planning.calibration import local_slot_offer
+from layers.orchestration.planning.calibration import CPU_TFLOPS, local_slot_offer
 from layers.orchestration.planning.types import Assignment, JobRequirements, ModelShape, WanLink
 
 TINY = ModelShape(parameters=132_864, layers=2, hidden=64, seq_len=128)
@@ -36,7 +37,10 @@ def compare(bench: dict) -> list[dict]:
     opts = bench["options"]
     sites, workers = int(opts["sites"]), int(opts["workers_per_site"])
     mbps = float(opts.get("wan_mbps") or 10_000)
-    offers = {f"c{i}": local_slot_offer(f"c{i}", f"s{i}", workers) for i in range(sites)}
+    # the bench runs every site's workers on this one machine: a slot gets cpus / workers of a core
+    share = min(1.0, float(bench.get("machine", {}).get("cpus") or sites * workers) / (sites * workers))
+    offers = {f"c{i}": replace(local_slot_offer(f"c{i}", f"s{i}", workers), tflops=CPU_TFLOPS * share)
+              for i in range(sites)}
     links = [WanLink(f"s{i}", f"s{j}", mbps / 1000, 0.0, Decimal("0")) for i in range(sites) for j in range(i + 1, sites)]
     rows = []
     for r in bench["results"]:

@@ -36,7 +36,7 @@ def test_compute_bound_single_site_matches_hand_computation():
     offers = {"a": offer("a", "s1")}
     p = perf.predict(job(), [Assignment("a", "s1", 8, "H100")], "ddp", offers, [])
     compute = 6 * P * BATCH / (8 * 989e12 * 0.40)
-    comm = 2 * 7 / 8 * (2 * P) * 8 / 900e9 + 2 * 7 * 10e-6  # ring over NVLink, bf16 gradients
+    comm = 2 * 7 / 8 * (4 * P) * 8 / 900e9 + 2 * 7 * 10e-6  # ring over NVLink, fp32 gradients
     assert p.steps == 10_000
     assert p.compute_seconds_per_step == pytest.approx(compute)
     assert p.comm_seconds_per_step == pytest.approx(comm)
@@ -51,13 +51,13 @@ def test_wan_bound_ddp_against_diloco():
     offers, links, placement = two_sites(gbps=1.0, rtt_ms=20.0)
     ddp = perf.predict(job(), placement, "ddp", offers, links)
     diloco = perf.predict(job(inner_steps=100, overlap=False), placement, "diloco", offers, links)
-    k_ddp = 2 * P
+    k_ddp = 4 * P  # fp32 gradients, as the runtime sends them
     assert ddp.comm_seconds_per_step == pytest.approx(2 * 15 / 16 * k_ddp * 8 / 1e9 + 2 * 15 * 0.010)
-    intra = 2 * 7 / 8 * (2 * P) * 8 / 900e9 + 2 * 7 * 10e-6
+    intra = 2 * 7 / 8 * (4 * P) * 8 / 900e9 + 2 * 7 * 10e-6
     outer = intra + 2 * 1 / 2 * (4 * P) * 8 / 1e9 + 2 * 0.010
     assert diloco.comm_seconds_per_step == pytest.approx(intra + outer / 100)
-    # WAN bytes per hop per step: 2(N-1)/N * 2P every step against 2(S-1)/S * 4P every 100 steps
-    assert ddp.wan_bytes / diloco.wan_bytes == pytest.approx((2 * 15 / 16 * 2) / (4 / 100))
+    # WAN bytes per hop per step: 2(N-1)/N * 4P every step against 2(S-1)/S * 4P every 100 steps
+    assert ddp.wan_bytes / diloco.wan_bytes == pytest.approx((2 * 15 / 16 * 4) / (4 / 100))
     assert ddp.total_seconds > 5 * diloco.total_seconds
     assert set(ddp.egress_bytes_by_link) == {("s1", "s2"), ("s2", "s1")}
 
@@ -76,10 +76,10 @@ def test_compression_shrinks_the_wan_leg(compression, ratio):
     plain = perf.predict(job(), placement, "diloco", offers, links)
     packed = perf.predict(job(compression=compression), placement, "diloco", offers, links)
     assert packed.wan_bytes == pytest.approx(plain.wan_bytes * ratio)
-    # bf16 gradients are already 2 bytes: fp16/bf16 do not shrink them further
+    # every strategy sends fp32 values: the codec shrinks hierarchical's WAN leg by the same ratio
     hier = perf.predict(job(compression=compression), placement, "hierarchical", offers, links)
     assert hier.wan_bytes == pytest.approx(perf.predict(job(), placement, "hierarchical", offers, links).wan_bytes
-                                           * min(1.0, 2 * ratio))
+                                           * ratio)
 
 
 def test_cost_adds_gpu_hours_and_egress():
@@ -87,7 +87,7 @@ def test_cost_adds_gpu_hours_and_egress():
     p = perf.predict(job(), placement, "hierarchical", offers, links)
     gpu_cost = 16 * p.total_seconds / 3600 * 2.0
     assert p.est_cost == pytest.approx(gpu_cost + p.wan_bytes / 1e9 * 0.05)
-    assert p.egress_bytes_by_link[("s1", "s2")] == pytest.approx(p.steps * 2 * 1 / 2 * 2 * P)
+    assert p.egress_bytes_by_link[("s1", "s2")] == pytest.approx(p.steps * 2 * 1 / 2 * 4 * P)
 
 
 def test_heterogeneous_gpus_share_the_batch_by_throughput():
