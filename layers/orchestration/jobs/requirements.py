@@ -50,7 +50,8 @@ def planner_inputs(offers: list[PoolOffer], links: list[LinkView], currency: str
     cluster_offers = [ClusterOffer(
         name=o.offer, site=o.site, region=o.region, provider=o.provider, gpu_model=o.gpu_model, tflops=o.tflops,
         memory_gb=o.memory_gb, free_gpus=o.free_gpus, price_per_gpu_hour=o.price_per_gpu_hour, currency=o.currency,
-        intra_node_gbps=o.intra_node_gbps, inter_node_gbps=o.inter_node_gbps, gpus_per_node=o.gpus_per_node)
+        intra_node_gbps=o.intra_node_gbps, inter_node_gbps=o.inter_node_gbps, gpus_per_node=o.gpus_per_node,
+        driver=o.driver)
         for o in offers if o.currency == currency and o.free_gpus > 0]
     wan = [WanLink(a=ln.a, b=ln.b, bandwidth_gbps=ln.bandwidth_gbps, rtt_ms=ln.rtt_ms,
                    price_per_gb=Decimal(ln.price_per_gb)) for ln in links]
