@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import click
 import httpx
+from sqlalchemy.engine import make_url
 
 from cpn.cli.bench_api import DOCS, SCRATCH_DB, _pct, _reset, _token, _wait
 from cpn.runtime.launcher import free_port
@@ -36,14 +37,16 @@ REGISTER_CHUNK = 500  # clusters per apply request while registering
 
 
 @contextmanager
-def _server(database_url: str) -> Iterator[tuple[str, dict[str, str], int]]:
+def _server(database_url: str, src: Path | None = None) -> Iterator[tuple[str, dict[str, str], int]]:
+    """`cpn serve` on an emptied database; from another checkout `src` (a baseline) when given."""
     data = Path(tempfile.mkdtemp(prefix="cpn-bench-api-"))
     port = free_port()
     env = {**os.environ, "CPN_DATABASE_URL": database_url, "CPN_DATA_DIR": str(data), "CPN_PORT": str(port),
            "CPN_RECONCILE": "0", "CPN_HEARTBEAT_TIMEOUT_SECONDS": "86400",
-           "CPN_RATE_LIMIT_PER_MINUTE": "100000000", "CPN_LOG_LEVEL": "WARNING"}
+           "CPN_RATE_LIMIT_PER_MINUTE": "100000000", "CPN_LOG_LEVEL": "WARNING",
+           **({"PYTHONPATH": str(src)} if src else {})}
     _reset(database_url)
-    server = subprocess.Popen([sys.executable, "-m", "cpn.cli.server", "serve"], env=env,
+    server = subprocess.Popen([sys.executable, "-m", "cpn.cli.server", "serve"], env=env, cwd=src,
                               stdout=open(data / "server.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     url = f"http://127.0.0.1:{port}"
     try:
@@ -193,16 +196,22 @@ def _batches(clusters: list[tuple[str, int]], size: int) -> Iterator[tuple[str, 
 def _table(result: dict[str, Any]) -> str:
     rows = ["| phase | requests | errors | cluster updates/s | req/s | p50 ms | p95 ms | p99 ms | server CPU ms/req |",
             "|---|---|---|---|---|---|---|---|---|"]
-    for phase in ("heartbeat", "heartbeats_batched", "heartbeats_batched_at_rate"):
-        r = result[phase]
-        rows.append(f"| {phase} | {r['requests']} | {sum(r['errors'].values())} | {r['cluster_updates_per_second']} | "
+    for phase in ("heartbeat", "heartbeats_batched", "heartbeats_batched_at_rate",
+                  "heartbeats_batched_at_rate_baseline"):
+        r = result.get(phase)
+        if r is None:
+            continue
+        label = f"{phase.removesuffix('_baseline')}, baseline {r['commit']}" if "commit" in r else phase
+        rows.append(f"| {label} | {r['requests']} | {sum(r['errors'].values())} | {r['cluster_updates_per_second']} | "
                     f"{r['requests_per_second']} | {r['latency_ms']['p50']} | {r['latency_ms']['p95']} | "
                     f"{r['latency_ms']['p99']} | {r.get('server_cpu_ms_per_request', '-')} |")
-    q = result.get("quotes")
-    if q:
-        rows.append(f"| quotes ({q['clusters']} clusters) | {q['requests']} | {q['errors']} | - | "
-                    f"{q['throughput_rps']} | {q['latency_ms']['p50']} | {q['latency_ms']['p95']} | "
-                    f"{q['latency_ms']['p99']} | {q.get('server_cpu_ms_per_request', '-')} |")
+    for key, label in (("quotes", "quotes"), ("quotes_baseline", "quotes, baseline")):
+        q = result.get(key)
+        if q:
+            which = f", {q['commit']}" if "commit" in q else ""
+            rows.append(f"| {label} ({q['clusters']} clusters{which}) | {q['requests']} | {q['errors']} | - | "
+                        f"{q['throughput_rps']} | {q['latency_ms']['p50']} | {q['latency_ms']['p95']} | "
+                        f"{q['latency_ms']['p99']} | {q.get('server_cpu_ms_per_request', '-')} |")
     return "\n".join(rows) + "\n"
 
 
@@ -221,11 +230,16 @@ def _table(result: dict[str, Any]) -> str:
               help="Catalogue size for the quote phase.")
 @click.option("--database-url", default=SCRATCH_DB, show_default=True,
               help="A database the benchmark may empty and fill (use a scratch one).")
+@click.option("--baseline", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Another checkout of CPN (e.g. `git worktree add /tmp/base <commit>`): the quote burst is "
+                   "run on its server too, right after, on the database <name>_baseline, for a before/after "
+                   "in one run.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--write-docs/--no-write-docs", default=True, show_default=True,
               help="Write docs/benchmarks/api.{json,md}.")
 def bench_api_cmd(clusters: int, concurrency: int, seconds: float, batch: int, rate: float, quotes: int,
-                  quote_clusters: int, database_url: str, as_json: bool, write_docs: bool) -> None:
+                  quote_clusters: int, database_url: str, baseline: Path | None, as_json: bool,
+                  write_docs: bool) -> None:
     """Heartbeats from N clusters (one per request, then batched) and concurrent quotes, side by side."""
     result: dict[str, Any] = {"clusters": clusters, "concurrency": concurrency, "batch": batch,
                               "backend": "PostgreSQL" if database_url.startswith("postgresql") else "SQLite"}
@@ -246,22 +260,58 @@ def bench_api_cmd(clusters: int, concurrency: int, seconds: float, batch: int, r
         result["heartbeats_batched_at_rate"] = {
             **_measured(pid, _load(url, provider, [_batches(c, batch) for c in shares], seconds, interval)),
             "target_updates_per_second": rate}
+    if baseline is not None:  # the paced phase again on the baseline's server, with the same catalogue
+        with _server(_baseline_db(database_url), baseline) as (url, env, pid):
+            provider = _token_at(env, baseline, "bench-provider", "provider")
+            catalogue = _register(url, provider, clusters)
+            shares = [catalogue[i::concurrency] for i in range(concurrency) if catalogue[i::concurrency]]
+            result["heartbeats_batched_at_rate_baseline"] = {
+                **_measured(pid, _load(url, provider, [_batches(c, batch) for c in shares], seconds, interval)),
+                "target_updates_per_second": rate, "commit": _commit_of(baseline)}
     if quotes:
-        with _server(database_url) as (url, env, pid):
-            provider = _token(env, "bench-provider", "provider")
-            for name, gpus in _register(url, provider, quote_clusters):
-                httpx.post(f"{url}/api/v1/clusters/{name}/heartbeat", timeout=30, json={"allocatableGpus": gpus,
-                           "conditions": READY}, headers={"Authorization": f"Bearer {provider}"}).raise_for_status()
-            users = [_token(env, f"bench-user-{i}", "user") for i in range(4)]
-            result["quotes"] = {**_measured(pid, _quote_burst(url, users, quotes)), "clusters": quote_clusters}
+        result["quotes"] = _quote_phase(database_url, None, quotes, quote_clusters)
+        if baseline is not None:  # the same burst on the baseline's server, right after, on its own database
+            result["quotes_baseline"] = {**_quote_phase(_baseline_db(database_url), baseline, quotes, quote_clusters),
+                                         "commit": _commit_of(baseline)}
     command = (f"cpn bench api --clusters {clusters} --concurrency {concurrency} --seconds {seconds:g} "
-               f"--batch {batch} --rate {rate:g} --quotes {quotes} --quote-clusters {quote_clusters}")
+               f"--batch {batch} --rate {rate:g} --quotes {quotes} --quote-clusters {quote_clusters}"
+               + (f" --baseline {baseline}" if baseline is not None else ""))
     if write_docs:
         _write_docs(command, result, batch)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
         click.echo(_table(result))
+
+
+def _quote_phase(database_url: str, src: Path | None, quotes: int, quote_clusters: int) -> dict[str, Any]:
+    with _server(database_url, src) as (url, env, pid):
+        provider = _token_at(env, src, "bench-provider", "provider")
+        for name, gpus in _register(url, provider, quote_clusters):
+            httpx.post(f"{url}/api/v1/clusters/{name}/heartbeat", timeout=30, json={"allocatableGpus": gpus,
+                       "conditions": READY}, headers={"Authorization": f"Bearer {provider}"}).raise_for_status()
+        users = [_token_at(env, src, f"bench-user-{i}", "user") for i in range(4)]
+        return {**_measured(pid, _quote_burst(url, users, quotes)), "clusters": quote_clusters}
+
+
+def _token_at(env: dict[str, str], src: Path | None, name: str, role: str) -> str:
+    if src is None:
+        return _token(env, name, role)
+    out = subprocess.run([sys.executable, "-m", "cpn.cli.server", "token", "create", name, "--role", role], env=env,
+                         cwd=src, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def _baseline_db(database_url: str) -> str:
+    if database_url.startswith("sqlite"):
+        return database_url.replace(".db", "-baseline.db") if database_url.endswith(".db") else database_url + "-baseline"
+    url = make_url(database_url)
+    return url.set(database=f"{url.database}_baseline").render_as_string(hide_password=False)
+
+
+def _commit_of(src: Path) -> str:
+    out = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
 
 
 def _write_docs(command: str, result: dict[str, Any], batch: int) -> None:

@@ -14,6 +14,7 @@ def test_bench_api_reports_each_phase(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'bench.db'}"
     out = run_cli(["cpn", "bench", "api", "--clusters", "40", "--concurrency", "4", "--seconds", "1",
                    "--batch", "5", "--quotes", "3", "--quote-clusters", "10", "--database-url", url,
+                   "--baseline", str(Path(__file__).resolve().parents[2]),  # this checkout as its own baseline
                    "--json", "--no-write-docs"], env={**os.environ, "CPN_DATA_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -28,3 +29,7 @@ def test_bench_api_reports_each_phase(tmp_path: Path) -> None:
     assert paced["errors"] == {} and paced["target_updates_per_second"] == 1000 and paced["requests"] > 0
     # the server's own CPU per request (from /proc), steadier than wall time on a shared machine
     assert result["quotes"]["server_cpu_ms_per_request"] > 0 and single["server_cpu_ms_per_request"] > 0
+    # --baseline runs the quote burst and the paced phase on a second server from the given checkout
+    base = result["quotes_baseline"]
+    assert base["errors"] == 0 and base["quotes_per_job"] == 3 and base["commit"]
+    assert result["heartbeats_batched_at_rate_baseline"]["errors"] == {}
