@@ -9,9 +9,10 @@ site's fast network. The first and last stage hold the two copies of the tied to
 their gradients (one WAN exchange of ``vocab x d`` per step), so the run is the same optimisation
 as one process training the whole model (a test holds it to that).
 
-Each rank splits its share into ``strategy.micro_batches`` micro-batches and runs the 1F1B
-schedule: stage s starts with ``P-1-s`` forwards, then alternates one forward and one backward,
-then drains the backwards, so at most ``P-s`` micro-batches' activations are held at once. The
+Stage 0's local rank j reads the j-th of W shards of the whole training corpus (as W data-parallel
+workers of a one-site job would), and sends the targets to the last stage. Each rank splits its
+share into ``strategy.micro_batches`` micro-batches and runs the 1F1B schedule: stage s starts with
+``P-1-s`` forwards, then alternates one forward and one backward, then drains the backwards, so at most ``P-s`` micro-batches' activations are held at once. The
 idle time of a rank during the schedule (waiting for a neighbour's activations or gradients, the
 bubble plus the WAN transfer) is measured and reported as ``bubble_fraction``; the ideal bubble with
 free links is ``(P-1)/(M+P-1)``. ``strategy.compression`` (fp16/bf16/int8, default none) encodes
@@ -38,6 +39,7 @@ from torch import Tensor
 from cpn.runtime.codecs import get_codec
 from cpn.runtime.collectives import site_allreduce
 from cpn.runtime.config import TrainConfig, trim_shares
+from cpn.runtime.data import ShardSampler, load_corpus, split_corpus
 from cpn.runtime.device import autocast
 from cpn.runtime.stages import Stage, cut_model, unit_names
 from cpn.runtime.strategies.base import Context, Strategy, make_optimizer, weigh
@@ -105,6 +107,10 @@ class Pipeline(Strategy):
         self.codec = get_codec(self.cfg.strategy.compression)
         self.d_model = self.model.cfg.d_model
         self.stats = PipeStats()
+        if self.stage.has_embed:  # the stage's ranks split the whole corpus (the worker's own sampler has 1/world)
+            train = split_corpus(load_corpus(self.cfg.corpus_bytes)).train
+            self.sampler = ShardSampler(train, shard=self.local, num_shards=self.W, seq_len=self.cfg.seq_len,
+                                        seed=self.cfg.seed)
         self.my_tokens = self.stage_tokens = 0
         self._gathered = -1
 
@@ -163,7 +169,7 @@ class Pipeline(Strategy):
         xs: list[Tensor] = []
         y: Tensor | None = None
         if self.stage.has_embed:
-            x, y = (t.to(self.ctx.device) for t in self.ctx.sampler.batch(step, rows))
+            x, y = (t.to(self.ctx.device) for t in self.sampler.batch(step, rows))
             xs = _split(x, micro)
             if not self.stage.has_head:
                 wire = y.to(self.target_dtype).cpu()
