@@ -40,7 +40,7 @@ from cpn.runtime.codecs import get_codec
 from cpn.runtime.collectives import site_allreduce
 from cpn.runtime.config import TrainConfig, trim_shares
 from cpn.runtime.data import ShardSampler, load_corpus, split_corpus
-from cpn.runtime.device import autocast
+from cpn.runtime.device import HOST, autocast
 from cpn.runtime.stages import Stage, cut_model, unit_names
 from cpn.runtime.strategies.base import Context, Strategy, make_optimizer, weigh
 from cpn.runtime.topology import Topology
@@ -175,7 +175,7 @@ class Pipeline(Strategy):
                 wire = y.to(self.target_dtype).cpu()
                 self._send(wire, self._peer(self.P - 1), TARGET_TAG, "activation")
         elif self.stage.has_head:
-            wire = torch.empty((rows, self.cfg.seq_len), dtype=self.target_dtype)
+            wire = torch.empty((rows, self.cfg.seq_len), dtype=self.target_dtype, device=HOST)
             self._recv(wire, self._peer(0), TARGET_TAG)
             y = wire.long().to(self.ctx.device)
         return xs, (_split(y, micro) if self.stage.has_head and y is not None else [])
@@ -218,7 +218,7 @@ class Pipeline(Strategy):
     def _send_tensor(self, t: Tensor, dst: int, tag: int, kind: str) -> None:
         flat = t.detach().float().reshape(-1).cpu()
         if self.codec is not None:
-            buf = torch.zeros(self._padded(flat.numel()))
+            buf = torch.zeros(self._padded(flat.numel()), device=HOST)
             buf[: flat.numel()] = flat
             flat = self.codec.encode(buf)
         self._send(flat.contiguous(), dst, tag, kind)
@@ -228,10 +228,10 @@ class Pipeline(Strategy):
         for k in shape:
             n *= k
         if self.codec is None:
-            buf = torch.empty(n)
+            buf = torch.empty(n, device=HOST)
             self._recv(buf, src, tag)
             return buf.view(shape).to(self.ctx.device)
-        wire = torch.empty(self.codec.wire_bytes(self._padded(n)), dtype=torch.uint8)
+        wire = torch.empty(self.codec.wire_bytes(self._padded(n)), dtype=torch.uint8, device=HOST)
         self._recv(wire, src, tag)
         return self.codec.decode(wire, self._padded(n))[:n].view(shape).to(self.ctx.device)
 
@@ -280,7 +280,7 @@ class Pipeline(Strategy):
         """First and last stage add their gradients of the token table (a + b == b + a exactly)."""
         grad = self.model.tok.weight.grad
         peer = self._peer(self.P - 1 if self.stage.has_embed else 0)
-        incoming = torch.empty(grad.numel())
+        incoming = torch.empty(grad.numel(), device=HOST)
         self._sends, self._idle = [], 0.0
         with self.ctx.timers.timed("comm"):
             self._send(grad.detach().float().reshape(-1).cpu().clone(), peer, TIED_TAG, "gradient")
@@ -298,7 +298,7 @@ class Pipeline(Strategy):
             if ctx.rank == 0:
                 for cut in self.cuts[1:]:
                     owned = Stage(self.model, cut).owned_params()
-                    flat = torch.empty(sum(p.numel() for p in owned))
+                    flat = torch.empty(sum(p.numel() for p in owned), device=HOST)
                     self._recv(flat, self._peer_leader(cut.index), GATHER_TAG)
                     _load(owned, flat)
             elif ctx.is_leader and self.s > 0:
