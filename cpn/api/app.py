@@ -15,6 +15,7 @@ from cpn.api.routes import resources, system
 from cpn.core.db import Database
 from cpn.core.migrate import upgrade_async
 from cpn.core.settings import Settings, get_settings
+from layers.orchestration.identity import ratelimit
 from layers.resource.blobs import BlobStore
 
 # connections the kernel queues before accept(): aiohttp's default 128 drops the SYNs of a burst of
@@ -35,7 +36,7 @@ def create_app(settings: Settings | None = None, db: Database | None = None, *, 
     app[state.BLOBS] = BlobStore.of(settings)
     app[state.KINDS] = wiring.build_registry(settings, app[state.BLOBS])
     app[state.DOCS] = []
-    app[middleware.RATE] = middleware.RateLimiter(settings.rate_limit_per_minute)
+    app[middleware.RATE] = ratelimit.limiter_for(app[state.DB], settings.rate_limit_per_minute)
     if migrate:  # a cleanup context, so it runs before the reconciler's (contexts start in order)
         app.cleanup_ctx.append(_migrate)
     app.on_startup.append(_warm_planner)

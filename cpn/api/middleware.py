@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -14,6 +13,7 @@ from cpn.api.bodies import json_response
 from cpn.core import errors
 from cpn.core.principal import Principal, Role
 from layers.orchestration.identity import audit, tokens
+from layers.orchestration.identity.ratelimit import RateLimiter
 
 log = logging.getLogger("cpn.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -68,26 +68,7 @@ def _refuse_nul(request: web.Request) -> None:
             raise errors.InvalidInput(f"query parameter {name!r} contains a NUL byte (%00)", field=name or "query")
 
 
-class RateLimiter:
-    """A token bucket per bearer token (per client address for anonymous calls)."""
-
-    def __init__(self, per_minute: int):
-        self.rate = per_minute / 60.0
-        self.capacity = float(per_minute)
-        self.buckets: dict[str, tuple[float, float]] = {}
-
-    def allow(self, key: str) -> bool:
-        now = time.monotonic()
-        level, at = self.buckets.get(key, (self.capacity, now))
-        level = min(self.capacity, level + (now - at) * self.rate)
-        if level < 1.0:
-            self.buckets[key] = (level, now)
-            return False
-        self.buckets[key] = (level - 1.0, now)
-        return True
-
-
-RATE = web.AppKey("rate", RateLimiter)
+RATE = web.AppKey("rate", RateLimiter)  # ratelimit.limiter_for: shared on PostgreSQL
 
 
 @web.middleware
@@ -98,7 +79,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     principal = await tokens.authenticate_request(request.app[state.DB], header)
     if principal.role is Role.WORKER and not _worker_may(request, principal.job or ""):
         raise errors.Forbidden("a worker token may only report metrics and checkpoints for its own job")
-    if principal.role is not Role.WORKER and not request.app[RATE].allow(principal.token_id or principal.account_id):
+    if principal.role is not Role.WORKER and not await request.app[RATE].allow(principal.token_id or principal.account_id):
         raise errors.RateLimited("too many requests for this token; slow down and retry")
     request[PRINCIPAL] = principal
     return await handler(request)

@@ -135,6 +135,10 @@ class Database:
         instead of BEGIN + statement + COMMIT), through the same admission gate as sessions."""
         return await self._autocommit(stmt, lambda result: result.first())
 
+    async def write_returning(self, stmt: Any) -> Any:
+        """The first row a one-statement write returns (None: it wrote nothing), in autocommit."""
+        return await self._autocommit(stmt, lambda result: result.first())
+
     async def write_once(self, stmt: Any) -> None:
         """One statement that is a whole transaction by itself (an INSERT of one row), in autocommit."""
         await self._autocommit(stmt, lambda result: None)

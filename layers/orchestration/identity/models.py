@@ -1,10 +1,10 @@
-"""Tables: accounts, tokens, audit_records."""
+"""Tables: accounts, tokens, audit_records, rate_buckets."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Boolean, DateTime, ForeignKey, Integer, String, Text
+from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cpn.core.db import Base, Tracked, new_uid, utcnow
@@ -45,3 +45,13 @@ class AuditRecord(Tracked, Base):
     status: Mapped[int] = mapped_column(Integer, nullable=False)
     result: Mapped[str] = mapped_column(String(32), nullable=False)
     request_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+
+
+class RateBucket(Tracked, Base):
+    """One rate-limit bucket per token, shared by every replica (PostgreSQL): GCRA's theoretical
+    arrival time, so a request is one conditional upsert (see identity/ratelimit.py)."""
+
+    __tablename__ = "rate_buckets"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tat: Mapped[float] = mapped_column(Float, nullable=False)  # seconds since the epoch, the database's clock
