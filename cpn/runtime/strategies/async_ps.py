@@ -29,6 +29,7 @@ stage gradients to pinned memory.
 from __future__ import annotations
 
 import math
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -89,7 +90,7 @@ def staleness_damping(workers: int, stale: int) -> float:
 
 def as_sent(lr: float) -> float:
     """``lr`` rounded to float32, the precision of the forward stream: primary and secondaries step alike."""
-    return float(torch.tensor(lr, dtype=torch.float32))
+    return struct.unpack("f", struct.pack("f", lr))[0]
 
 
 class Server:
