@@ -314,10 +314,19 @@ def _commit_of(src: Path) -> str:
     return out.stdout.strip() or "unknown"
 
 
+KEPT_FROM = "\n## "  # api.md's own sections after the figures (the profile) survive a new run
+
+
 def _write_docs(command: str, result: dict[str, Any], batch: int) -> None:
     DOCS.mkdir(parents=True, exist_ok=True)
     (DOCS / "api.json").write_text(json.dumps({"command": command, **result}, indent=2))
-    (DOCS / "api.md").write_text(
+    old = (DOCS / "api.md").read_text() if (DOCS / "api.md").exists() else ""
+    kept = old[old.index(KEPT_FROM):] if KEPT_FROM in old else ""
+    (DOCS / "api.md").write_text(_figures(command, result, batch) + kept)
+
+
+def _figures(command: str, result: dict[str, Any], batch: int) -> str:
+    return (
         f"# The API under load\n\n`{command}` ({result['backend']}; the clients run on the same machine as the "
         "server; `heartbeat` is one cluster per request, `heartbeats_batched` is `POST /api/v1/heartbeats` "
         f"with {batch} clusters per request and one transaction, each client sending back to back; "

@@ -33,3 +33,18 @@ def test_bench_api_reports_each_phase(tmp_path: Path) -> None:
     base = result["quotes_baseline"]
     assert base["errors"] == 0 and base["quotes_per_job"] == 3 and base["commit"]
     assert result["heartbeats_batched_at_rate_baseline"]["errors"] == {}
+
+
+def test_new_figures_keep_the_written_sections(tmp_path: Path, monkeypatch) -> None:
+    from cpn.cli import bench_heartbeats
+
+    monkeypatch.setattr(bench_heartbeats, "DOCS", tmp_path)
+    phase = {"requests": 1, "errors": {}, "cluster_updates_per_second": 1.0, "requests_per_second": 1.0,
+             "latency_ms": {"p50": 1.0, "p95": 2.0, "p99": 3.0}, "target_updates_per_second": 1000}
+    result = {"backend": "SQLite", "heartbeat": phase, "heartbeats_batched": phase,
+              "heartbeats_batched_at_rate": phase}
+    (tmp_path / "api.md").write_text("# old figures\n\n## Where the time went\n\nthe profile\n")
+    bench_heartbeats._write_docs("cpn bench api", result, 5)
+    text = (tmp_path / "api.md").read_text()
+    assert "old figures" not in text and "| heartbeat | 1 |" in text
+    assert text.endswith("## Where the time went\n\nthe profile\n")
