@@ -94,3 +94,18 @@ def test_a_stale_push_moves_the_shard_less_by_the_staleness_factor(damping: bool
 def test_staleness_damping_keeps_on_pace_pushes_at_full_rate() -> None:
     assert [staleness_damping(4, s) for s in (0, 3, 7, 15)] == [1.0, 1.0, 0.5, 0.25]
     assert staleness_damping(1, 0) == 1.0 and staleness_damping(3, -2) == 1.0
+
+
+def test_replicas_do_not_change_what_ps_sync_computes(tmp_path: Path) -> None:
+    """Forwarding to secondaries is invisible to the workers: the same final model with and without
+    (up to the order in which a step's pushes are summed, which arrival decides)."""
+    from tests.runtime.test_strategies import final_params
+
+    plain = tiny("ps_sync", steps=12, optimizer="sgd", lr=0.5, ps=2)
+    replicated = tiny("ps_sync", steps=12, optimizer="sgd", lr=0.5, ps=2, ps_replicas=1)
+    run(plain, tmp_path / "plain")
+    summary = run(replicated, tmp_path / "replicated")
+    assert summary["ps_failovers"] == [] and summary["wan_bytes"] > 0
+    a, b = final_params(tmp_path / "plain"), final_params(tmp_path / "replicated")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
