@@ -124,3 +124,28 @@ def test_preflight_refuses_a_pipeline_it_cannot_run() -> None:
         preflight(pipe(steps=4), Topology.uniform(5, 1))
     with pytest.raises(ValueError, match="stages is only for the pipeline"):
         StrategyConfig(name="ddp", stages=2)
+
+
+def test_the_benchmark_checks_the_issues_targets_against_ddp(tmp_path: Path) -> None:
+    from cpn.runtime.bench_pipeline import PipelineBenchOptions, targets, write_markdown
+
+    with pytest.raises(ValueError, match="pipeline\\+CODEC"):
+        PipelineBenchOptions(strategies=["ddp", "diloco+int8"])
+    row = {"wan_activation_bytes": 0, "wan_gradient_bytes": 0, "wan_eval_bytes": 0, "bubble_ideal": None,
+           "bubble_fraction": None}
+    ddp = {**row, "strategy": "ddp", "wall_seconds": 100.0, "final_val_loss": 2.0, "wan_bytes": 1000,
+           "time_to_ddp_loss_seconds": 90.0}
+    fast = {**row, "strategy": "pipeline", "wall_seconds": 50.0, "final_val_loss": 2.01, "wan_bytes": 90,
+            "bubble_fraction": 0.25, "bubble_ideal": 0.2, "time_to_ddp_loss_seconds": 40.0}
+    slow = {**fast, "strategy": "pipeline+int8", "wan_bytes": 200, "bubble_fraction": 0.35,
+            "time_to_ddp_loss_seconds": None}
+    got = targets([ddp, fast, slow])
+    assert got["pipeline"] == {"wan_ratio": 0.09, "wan_met": True, "loss_gap": 0.005, "sooner_met": True,
+                               "bubble_bound": 0.3, "bubble_met": True}
+    assert got["pipeline+int8"]["wan_met"] is False and got["pipeline+int8"]["sooner_met"] is False
+    assert got["pipeline+int8"]["bubble_met"] is False
+    report = {"command": "cpn bench pipeline --json", "options": {**vars(PipelineBenchOptions()), "wan_mbps": 20.0},
+              "results": [ddp, fast, slow], "targets": got, "machine": {"cpus": 2, "when": "now"}}
+    md = write_markdown(report, tmp_path).read_text()
+    assert "| pipeline | 0.090 (met) | +0.50 % | met | 0.300 | met |" in md
+    assert "| pipeline+int8 | 0.200 (not met) |" in md
