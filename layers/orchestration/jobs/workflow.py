@@ -98,6 +98,7 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
     pool_offers, links, _ = await capacity.snapshot(session, t.heartbeat, now)
     offers, wan = planner_inputs(pool_offers, links, spec.currency)
     plans = placement.quote_options(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
+    region_of = {o.name: o.region for o in offers}
     sellers = {o.offer: pricing.Seller(provider=o.provider, provider_account_id=o.owner_id, site=o.site,
                                        price_per_gpu_hour=o.price_per_gpu_hour, currency=o.currency)
                for o in pool_offers}
@@ -109,8 +110,8 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
         lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices,
                                     link_owners)
         lines += pricing.data_transfer_lines(_transfers(plan), sellers)
-        placement_lines = [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model}
-                           for a in plan.assignments]
+        placement_lines = [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
+                            "region": region_of[a.cluster]} for a in plan.assignments]
         reason, train = _unrunnable(spec, plan.strategy, placement_lines, plan.ring, links)
         if reason is not None:  # never offer what the workers would refuse
             refused.append(f"{label} ({plan.strategy} on {'+'.join(str(a.gpus) for a in plan.assignments)}"

@@ -21,11 +21,16 @@ CODE_UNIT = 8  # spec.code jobs: the global batch is whole multiples of this man
 
 
 def topology_for(placement: list[dict[str, Any]], ring: list[str], links: list[LinkView]) -> dict[str, Any]:
+    """Placement lines carry their site's region (placements written before they did: none, so the
+    job's sites are each a region of their own and hierarchical runs its two-level all-reduce)."""
     ranks: dict[str, int] = {}
+    regions: dict[str, str] = {}
     for p in placement:
         ranks[p["site"]] = ranks.get(p["site"], 0) + int(p["gpus"])
+        if p.get("region"):
+            regions[p["site"]] = p["region"]
     order = [s for s in ring if s in ranks] + [s for s in ranks if s not in ring]
-    return derive(order, ranks, links).model_dump(mode="json")
+    return derive(order, ranks, links, regions=regions).model_dump(mode="json")
 
 
 def rank_offsets(topology: dict[str, Any], placement: list[dict[str, Any]]) -> dict[str, int]:
