@@ -141,22 +141,26 @@ async def authenticate(session: AsyncSession, header: str | None) -> Principal:
     """Resolve an `Authorization: Bearer …` header to a principal or raise Unauthenticated."""
     if not header or not header.startswith("Bearer "):
         raise errors.Unauthenticated("missing bearer token: send 'Authorization: Bearer <token>'")
-    token = header[7:].strip()
     key = _digest(header)
     hit = _cache.get(key)
     if hit and hit[0] > time.monotonic():
         await _still_valid(session, hit[1])
         return hit[1]
     pending = _verifying.get(key)
-    if pending is not None:  # a burst on one token pays for one KDF: the others wait for its outcome
-        try:
-            principal = await asyncio.shield(pending)
-        except asyncio.CancelledError:
-            if not pending.cancelled():
-                raise  # this request was cancelled, not the verification it waited for
-            return await authenticate(session, header)
-        await _still_valid(session, principal)
-        return principal
+    if pending is None:
+        return await _verify_once(session, key, header[7:].strip())
+    try:  # a burst on one token pays for one KDF: the others wait for its outcome
+        principal = await asyncio.shield(pending)
+    except asyncio.CancelledError:
+        if not pending.cancelled():
+            raise  # this request was cancelled, not the verification it waited for
+        return await authenticate(session, header)
+    await _still_valid(session, principal)
+    return principal
+
+
+async def _verify_once(session: AsyncSession, key: str, token: str) -> Principal:
+    """Verify the token, letting concurrent requests with the same token wait for this outcome."""
     future: asyncio.Future[Principal] = asyncio.get_running_loop().create_future()
     _verifying[key] = future
     try:
@@ -171,9 +175,9 @@ async def authenticate(session: AsyncSession, header: str | None) -> Principal:
     else:
         future.set_result(principal)
         _cache[key] = (time.monotonic() + _CACHE_SECONDS, principal)
+        return principal
     finally:
         del _verifying[key]
-    return principal
 
 
 async def _verify(session: AsyncSession, token: str) -> Principal:
