@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from cpn.runtime.config import StrategyConfig, TrainConfig, trim_shares
-from cpn.runtime.data import ShardSampler, load_corpus, split_corpus
+from cpn.runtime.data import ShardSampler, load_corpus, split_corpus, val_batches
 from cpn.runtime.model import build_model, count_parameters
 from cpn.runtime.stages import Stage, cut_model, partition, unit_sizes
 from cpn.runtime.strategies.base import lr_at, make_optimizer
 from cpn.runtime.strategies.pipeline import ideal_bubble, micro_sizes
 from cpn.runtime.topology import Topology
-from cpn.runtime.train import FINAL_MODEL, preflight, run_local
+from cpn.runtime.train import FINAL_MODEL, evaluate, preflight, run_local
 
 
 def pipe(*, steps: int, extra_tokens: int = 0, **knobs: object) -> TrainConfig:
@@ -57,7 +57,7 @@ def test_micro_batches_split_whole_sequences_then_the_partial_one() -> None:
     assert ideal_bubble(3, 8) == pytest.approx(0.2)
 
 
-def reference(cfg: TrainConfig, shards: int, ranks: list[int]) -> dict[str, torch.Tensor]:
+def reference(cfg: TrainConfig, shards: int, ranks: list[int], steps: int | None = None) -> torch.nn.Module:
     """One process training the whole model on the pipeline's batches: stage 0's ranks' shares, each
     rank's from its shard of the whole corpus."""
     train = split_corpus(load_corpus(cfg.corpus_bytes)).train
@@ -65,7 +65,7 @@ def reference(cfg: TrainConfig, shards: int, ranks: list[int]) -> dict[str, torc
     model = build_model(cfg.model, seed=cfg.seed)
     opt = make_optimizer(cfg, list(model.parameters()))
     shares = cfg.shares(len(ranks))
-    for step in range(cfg.total_steps):
+    for step in range(cfg.total_steps if steps is None else steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, cfg.tokens_through(step) / cfg.tokens)
         tokens = cfg.step_tokens(step)
@@ -81,7 +81,7 @@ def reference(cfg: TrainConfig, shards: int, ranks: list[int]) -> dict[str, torc
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return model.state_dict()
+    return model
 
 
 @pytest.mark.parametrize(("sites", "workers"), [(2, 1), (2, 2)])
@@ -90,8 +90,23 @@ def test_two_stages_train_the_same_parameters_as_one_process(sites: int, workers
     summary = run(cfg, tmp_path, sites, workers)
     assert summary["tokens"] == cfg.tokens  # every token once, not once per stage
     got = torch.load(tmp_path / FINAL_MODEL, weights_only=True)
-    want = reference(cfg, workers, list(range(workers)))
+    want = reference(cfg, workers, list(range(workers))).state_dict()
     assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_a_resumed_pipeline_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> None:
+    cfg = pipe(steps=6, extra_tokens=100, compression="none")
+    ckpt = str(tmp_path / "ckpt")
+    first = cfg.model_copy(update={"checkpoint_every": 2, "checkpoint_dir": ckpt, "stop_at_step": 3})
+    run(first, tmp_path / "first", 2, 1)
+    resumed = run(cfg.model_copy(update={"resume": ckpt}), tmp_path / "resumed", 2, 1)
+    val = val_batches(split_corpus(load_corpus(cfg.corpus_bytes)).val, seq_len=cfg.seq_len, batches=cfg.val_batches)
+    at_checkpoint = evaluate(reference(cfg, 1, [0], steps=2), val)
+    assert resumed["initial_val_loss"] == pytest.approx(at_checkpoint, abs=1e-4)  # every stage's, not stale copies
+    got = torch.load(tmp_path / "resumed" / FINAL_MODEL, weights_only=True)
+    want = reference(cfg, 1, [0]).state_dict()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4, msg=name)
 

@@ -293,6 +293,9 @@ class Pipeline(Strategy):
         if step == self._gathered or self.P == 1:
             return
         self._gathered = step
+        self._gather_to_rank0()
+
+    def _gather_to_rank0(self) -> None:
         ctx, self._sends, self._idle = self.ctx, [], 0.0
         with ctx.timers.timed("comm"):
             if ctx.rank == 0:
@@ -304,6 +307,13 @@ class Pipeline(Strategy):
             elif ctx.is_leader and self.s > 0:
                 self._send(flat_params_of(self.stage.owned_params()), 0, GATHER_TAG, "eval")
                 self._wait_sends()
+
+    def load_state(self, site_state: dict[str, Any] | None, global_state: dict[str, Any]) -> None:
+        """Each site's checkpoint holds its own stage; rank 0 then fetches the others' (its first
+        evaluation after a resume is of the checkpointed model, not of site 0's stale copies)."""
+        super().load_state(site_state, global_state)
+        if self.P > 1:
+            self._gather_to_rank0()
 
     def _peer_leader(self, stage: int) -> int:
         return self.ctx.groups.topology.leader_rank(stage)
