@@ -11,6 +11,13 @@ backward computes the rest. Buckets start in the same order on every rank (bucke
 buckets 0..k-1), so the collectives match. After backward the loop waits for them; that exposed
 time is counted as communication. ``strategy.grad_hooks: false`` all-reduces after the whole
 backward pass instead (same result up to float rounding; tested).
+
+When the topology spans more than one region (sites labelled with their catalogue region, equal
+ranks per site and sites per region) the all-reduce is ``multilevel`` instead: site, then the metro
+links of a region, then the long-haul links between regions, so the slow links carry 1/R of what the
+two-level ring would (R sites per region). Metro links run uncompressed; the job's compression
+applies to the long-haul level only. The run summary names the algorithm (``allreduce``) and
+the bytes the ranks sent on metro links (``wan_metro_bytes``, part of ``wan_bytes``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from cpn.runtime.collectives import DEFAULT_BUCKET_BYTES, Stats, allreduce
 from cpn.runtime.device import ready_event
 from cpn.runtime.strategies.base import Context, grads_of, timed_barrier, weigh
 from cpn.runtime.strategies.ddp import DDP
+from cpn.runtime.topology import Topology
 
+METRO_KEY = "cpn/hierarchical/metro"  # each rank's metro bytes, for rank 0's summary
 MIN_BUCKET_BYTES = 64 * 2**10  # below this a bucket's fixed costs (WAN round trips) outweigh the overlap
 BUCKETS_PER_MODEL = 4  # small models: about this many buckets, so the first can start well before backward ends
 
@@ -94,6 +103,16 @@ class GradBuckets:
         self.pool.shutdown(wait=False)
 
 
+def allreduce_of(topology: Topology, compression: str | None) -> tuple[str, str | None]:
+    """(algorithm, compression) for the gradients: ``multilevel`` with ``none/<compression>`` (metro
+    links uncompressed, the long-haul level coded) when the sites span regions, a region holds more
+    than one site and the levels are even, else ``hierarchical`` with ``compression`` on its WAN leg
+    (with one site per region the two move the same bytes)."""
+    if 1 < topology.num_regions < topology.num_sites and topology.is_regular:
+        return "multilevel", None if compression is None else f"none/{compression}"
+    return "hierarchical", compression
+
+
 class Hierarchical(DDP):
     name = "hierarchical"
     algorithm = "hierarchical"
@@ -103,6 +122,8 @@ class Hierarchical(DDP):
         super().__init__(ctx)
         compression = ctx.cfg.strategy.compression
         self._compression = None if compression == "none" else compression
+        self.collective, self._wire = allreduce_of(ctx.groups.topology, self._compression)
+        self.metro_bytes = 0
         self.ef = ErrorFeedback() if self._compression == "int8" else None
         self.grad_buckets = GradBuckets(self.model, bucket_bytes_for(self.model), self._reduce_bucket) \
             if ctx.cfg.strategy.grad_hooks else None
@@ -115,8 +136,8 @@ class Hierarchical(DDP):
         """Average bucket ``k``'s gradients over every rank (the background thread's work)."""
         grads = grads_of_params(params)
         weigh(grads, self.ctx.world_weight())
-        return allreduce(grads, "hierarchical", self.ctx.groups, op="avg", key=("grads", k),
-                         compression=self._compression, error_feedback=self.ef)
+        return allreduce(grads, self.collective, self.ctx.groups, op="avg", key=("grads", k),
+                         compression=self._wire, error_feedback=self.ef)
 
     def after_backward(self, step: int) -> None:
         ctx = self.ctx
@@ -125,14 +146,28 @@ class Hierarchical(DDP):
             grads = grads_of(self.model)
             weigh(grads, ctx.world_weight())
             with ctx.timers.timed("comm"):
-                ctx.account(allreduce(grads, "hierarchical", ctx.groups, op="avg", key="grads",
-                                      compression=self._compression, error_feedback=self.ef))
+                self._account(allreduce(grads, self.collective, ctx.groups, op="avg", key="grads",
+                                        compression=self._wire, error_feedback=self.ef))
         else:
             t0 = time.perf_counter()
             for stats in self.grad_buckets.wait():
-                ctx.account(stats)
+                self._account(stats)
             ctx.timers.add("comm", time.perf_counter() - t0)
         self._inner_step()
+
+    def _account(self, stats: Stats) -> None:
+        self.ctx.account(stats)
+        self.metro_bytes += stats.metro_bytes
+
+    def finish(self, step: int) -> None:
+        super().finish(step)
+        self.ctx.store.set(f"{METRO_KEY}/{self.ctx.rank}", str(self.metro_bytes))
+
+    def summary_extras(self) -> dict[str, Any]:
+        """Which all-reduce ran, and what every rank sent on metro links (of the summary's wan_bytes)."""
+        ranks = range(self.ctx.groups.world_size)
+        metro = sum(int(self.ctx.store.get(f"{METRO_KEY}/{r}")) for r in ranks)
+        return {"allreduce": self.collective, "wan_metro_bytes": metro}
 
 
 def grads_of_params(params: list[nn.Parameter]) -> list[torch.Tensor]:
