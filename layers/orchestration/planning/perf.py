@@ -16,12 +16,25 @@ all-reduce of the bf16 gradients, 2 B/param):
 |---|---|---|
 | ddp (1 site) | intra | — |
 | ddp (S > 1) | flat ring over all N ranks: 2(N−1)/N·K/B_wan + 2(N−1)·α_wan | bf16 gradients |
-| hierarchical | intra + 2(S−1)/S·K/B_wan + 2(S−1)·α_wan | bf16 gradients |
+| hierarchical | intra + 2(S−1)/S·K/B_wan + 2(S−1)·α_wan; across regions the multilevel all-reduce (below) | bf16 gradients |
 | local_sgd | intra + outer/H, outer = hierarchical all-reduce of the pseudo-gradient | fp32 pseudo-gradient |
 | diloco | as local_sgd; with `overlap` only max(0, outer − H·compute)/H is exposed | fp32 pseudo-gradient |
 | ssp | intra + max(0, (S−1)·K/B_wan + α_wan − H·compute)/H: every H steps each site sends its parameters to every other site from background threads (as the runtime does); bounded staleness lets compute run on meanwhile | fp32 parameters |
 | gossip | intra + max(0, K/B_wan + α_wan − H·compute)/H: every H steps one neighbour, in the background | fp32 parameters |
 | async_ps | W_s·(S−1)/S·K/B_wan + 2α_wan: every worker pushes its gradient to and pulls parameters from servers sharded over the sites, and waits for its pull | fp32 gradients |
+
+Hierarchical across regions: when the placement's sites span G regions of R > 1 sites each (the
+clusters' regions; equal GPUs per site, as the runtime needs), the runtime runs the ``multilevel``
+all-reduce (``cpn/runtime/strategies/hierarchical.py``): metro links (between sites of one region)
+carry the uncompressed gradient, the long-haul links between regions only 1/R of it, compressed.
+Per step, beside intra: max(metro, long-haul) + metro of one pipeline slice, with
+metro = α_m + K/R/B_m (reduce-scatter, all-to-all) + (R−1)α_m + (R−1)/R·K/B_m (ring all-gather) and
+long-haul = 2(G−1)α_w + 2(G−1)/G·(K_c/R)/B_w; B_m and α_m from the slowest metro link, B_w and α_w
+from the slowest long-haul link the rings use. This is ``cpn.runtime.costmodel.predict_multilevel_seconds``
+(the levels overlap slice by slice) priced as this module prices the two-level ring: one α per
+collective rather than per slice, no codec CPU time, no Ethernet framing (so the two stay comparable;
+``tests/layers/orchestration/test_perf.py`` checks the ratio against the runtime's model). Egress is
+counted on the links each level uses.
 
 Knobs the job's spec leaves unset (H, compression, overlap: ``req.autotuned``) are priced as the
 runtime will run them: :func:`autotuned` asks :func:`cpn.runtime.autotune.choose` for this placement.
@@ -41,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import reduce
 from typing import Any
 
@@ -60,7 +73,8 @@ from layers.orchestration.planning.types import (
 
 __all__ = [
     "STARTUP_BY_DRIVER", "STARTUP_SECONDS", "TOKEN_EFFICIENCY", "TRAINING_STATE_BYTES", "flops_per_step", "predict",
-    "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param", "wire_ratio", "worker_memory_gb",
+    "Levels", "levels_of", "multilevel_comm", "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param",
+    "wire_ratio", "worker_memory_gb",
 ]
 
 # Launching → Running before any lesson: a Kubernetes pod is scheduled, pulls its image and meets
@@ -85,6 +99,9 @@ _INT8_CHUNK = 256
 # recomputation). A GPU smaller than that cannot hold the job whatever the strategy.
 TRAINING_STATE_BYTES = 4
 ACTIVATION_BYTES = 34
+# the runtime's pipeline slice, cpn.runtime.collectives.DEFAULT_CHUNK_BYTES (that module imports torch;
+# a test keeps the two equal): the multilevel levels overlap slice by slice
+PIPELINE_SLICE_BYTES = 4 * 2**20
 
 
 def wire_ratio(compression: str | None) -> float:
@@ -135,9 +152,7 @@ def site_comm(req: JobRequirements, strategy: str, compute_s: Any, site_gpus: Ma
     """
     params = req.model.parameters
     sites = len(site_gpus)
-    grads = params * GRADIENT_BYTES
-    intra = reduce(np.maximum, [ring_allreduce_seconds(grads, w, intra_gbps[s], INTRA_ALPHA_SECONDS)
-                                for s, w in site_gpus.items()])
+    intra = _intra_seconds(req, site_gpus, intra_gbps)
     if sites == 1:
         return intra, {}
     k = params * wan_bytes_per_param(strategy, req.compression)
@@ -162,6 +177,78 @@ def site_comm(req: JobRequirements, strategy: str, compute_s: Any, site_gpus: Ma
         out = {s: w * (sites - 1) / sites * k for s, w in site_gpus.items()}
         return reduce(np.maximum, list(out.values())) * 8 / (wan_gbps * 1e9) + 2 * alpha, out
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+@dataclass(frozen=True)
+class Levels:
+    """The cross-site levels of the ``multilevel`` all-reduce on a placement spanning regions:
+    regions in ring order (first appearance), each with its sites in ring order, as the runtime's
+    ``Topology.level_ranks`` groups them; the slowest metro and long-haul links."""
+
+    regions: tuple[tuple[str, ...], ...]
+    metro_gbps: float
+    metro_rtt_ms: float
+    wan_gbps: float
+    wan_rtt_ms: float
+
+    def metro_hops(self) -> list[Key]:
+        """Every ordered pair inside a region (the reduce-scatter is an all-to-all)."""
+        return [(a, b) for sites in self.regions for a in sites for b in sites if a != b]
+
+    def long_haul_hops(self) -> list[Key]:
+        """For each position in a region, the ring over the regions' sites at that position."""
+        return [hop for pos in range(len(self.regions[0])) for hop in hops([r[pos] for r in self.regions])]
+
+
+def levels_of(ring: list[str], site_gpus: Mapping[str, int], region_of: Mapping[str, str],
+              index: Mapping[Key, WanLink]) -> Levels | None:
+    """The placement's levels when the runtime will run ``multilevel`` (more than one region, a region
+    with more than one site, equal sites per region and GPUs per site: the runtime's condition), else
+    None (today's two-level ring); None too when a link the levels need is missing."""
+    grouped: dict[str, list[str]] = {}
+    for site in ring:
+        grouped.setdefault(region_of.get(site) or site, []).append(site)
+    regions = tuple(tuple(sites) for sites in grouped.values())
+    if not 1 < len(regions) < len(ring) or len({len(r) for r in regions}) > 1 or len(set(site_gpus.values())) > 1:
+        return None
+    shell = Levels(regions, 0.0, 0.0, 0.0, 0.0)
+    metro, long_haul = shell.metro_hops(), shell.long_haul_hops()
+    if any(hop not in index for hop in metro + long_haul):
+        return None
+    return Levels(regions, min(index[h].bandwidth_gbps for h in metro), max(index[h].rtt_ms for h in metro),
+                  min(index[h].bandwidth_gbps for h in long_haul), max(index[h].rtt_ms for h in long_haul))
+
+
+def multilevel_comm(req: JobRequirements, strategy: str, levels: Levels) -> tuple[float, dict[Key, float]]:
+    """(cross-site seconds of one multilevel all-reduce of the gradients, bytes per link and step);
+    the formula is in the module docstring."""
+    r, g = len(levels.regions[0]), len(levels.regions)
+    metro_k = req.model.parameters * GRADIENT_BYTES  # metro links run uncompressed
+    wan_k = req.model.parameters * wan_bytes_per_param(strategy, req.compression)
+    a_m, a_w = levels.metro_rtt_ms / 2e3, levels.wan_rtt_ms / 2e3
+    b_m, b_w = 8 / (levels.metro_gbps * 1e9), 8 / (levels.wan_gbps * 1e9)
+
+    def metro(x: float) -> float:  # reduce-scatter (all-to-all) + all-gather (ring) of x bytes per site
+        return a_m + x / r * b_m + (r - 1) * a_m + (r - 1) / r * x * b_m
+
+    top = 2 * (g - 1) * a_w + 2 * (g - 1) / g * (wan_k / r) * b_w
+    seconds = max(metro(metro_k), top) + metro(min(metro_k, PIPELINE_SLICE_BYTES))
+    sent: dict[Key, float] = {}
+    for hop in levels.metro_hops():
+        sent[hop] = sent.get(hop, 0.0) + metro_k / r
+    for sites in levels.regions:
+        for hop in hops(list(sites)):
+            sent[hop] = sent.get(hop, 0.0) + (r - 1) / r * metro_k
+    for hop in levels.long_haul_hops():
+        sent[hop] = sent.get(hop, 0.0) + 2 * (g - 1) / g * wan_k / r
+    return seconds, sent
+
+
+def _intra_seconds(req: JobRequirements, site_gpus: Mapping[str, Any], intra_gbps: Mapping[str, Any]) -> Any:
+    """The slowest site's all-reduce of the fp32 gradients."""
+    grads = req.model.parameters * GRADIENT_BYTES
+    return reduce(np.maximum, [ring_allreduce_seconds(grads, w, intra_gbps[s], INTRA_ALPHA_SECONDS)
+                               for s, w in site_gpus.items()])
 
 
 def intra_gbps_by_site(assignments: list[Assignment], offers: Mapping[str, ClusterOffer]) -> dict[str, float]:
@@ -222,13 +309,20 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
                      for a in used) * 1e12
     compute = flops_per_step(req) / throughput
     req = autotuned(req, strategy, site_gpus, compute, wan_gbps, rtt_ms)
-    comm, sent = site_comm(req, strategy, compute, site_gpus, intra_gbps_by_site(used, offers), wan_gbps, rtt_ms)
+    intra_gbps = intra_gbps_by_site(used, offers)
+    comm, sent = site_comm(req, strategy, compute, site_gpus, intra_gbps, wan_gbps, rtt_ms)
+    per_step = {hop: float(sent[hop[0]]) for hop in ring_hops if sent.get(hop[0])}
+    levels = levels_of(ring, site_gpus, {a.site: offers[a.cluster].region for a in used}, index) \
+        if strategy == "hierarchical" else None
+    if levels is not None:
+        cross, per_step = multilevel_comm(req, strategy, levels)
+        comm = _intra_seconds(req, site_gpus, intra_gbps) + cross
     steps = steps_for(req, strategy)
     comm = float(comm)
     factor, startup = _learned(req, strategy, used, offers)
     step = (compute + comm) * factor
     total = steps * step + startup
-    egress = {hop: float(sent[hop[0]]) * steps for hop in ring_hops if sent.get(hop[0])}
+    egress = {hop: b * steps for hop, b in per_step.items()}
     gpu_seconds: dict[str, float] = {}
     for a in used:
         gpu_seconds[a.cluster] = gpu_seconds.get(a.cluster, 0.0) + a.gpus * total

@@ -114,3 +114,40 @@ def test_every_strategy_predicts():
     for strategy in ("ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps"):
         p = perf.predict(job(), placement, strategy, offers, links)
         assert p.total_seconds > 0 and p.wan_bytes > 0 and p.strategy == strategy
+
+
+def two_regions(region_of: dict[str, str], metro_gbps: float = 10.0, long_haul_gbps: float = 1.0):
+    """Sites e1, e2 (region eu) and u1, u2 (region us), one GPU each: metro links inside a region,
+    long-haul links between, no RTT (the runtime's cost model and this one then agree to the byte)."""
+    sites = ["e1", "e2", "u1", "u2"]
+    offers = {s: ClusterOffer(name=s, site=s, region=region_of[s], provider="p", gpu_model="H100", tflops=989.0,
+                              memory_gb=80, free_gpus=1, price_per_gpu_hour=Decimal("2.00")) for s in sites}
+    links = [WanLink(a, b, metro_gbps if a[0] == b[0] else long_haul_gbps, 0.0, Decimal("0.05"))
+             for i, a in enumerate(sites) for b in sites[i + 1:]]
+    return offers, links, [Assignment(s, s, 1, "H100") for s in sites]
+
+
+def test_hierarchical_across_regions_is_priced_as_the_multilevel_all_reduce():
+    from cpn.runtime import costmodel
+
+    regional = two_regions({"e1": "eu", "e2": "eu", "u1": "us", "u2": "us"})
+    one_region = two_regions(dict.fromkeys(["e1", "e2", "u1", "u2"], "eu"))
+    multi = perf.predict(job(), regional[2], "hierarchical", regional[0], regional[1])
+    two = perf.predict(job(), one_region[2], "hierarchical", one_region[0], one_region[1])
+    k = 4 * P  # one GPU per site: no intra term, all of comm is cross-site
+    ratio = (costmodel.predict_multilevel_seconds(k, 1, 2, 2, 10_000, 1_000, params=costmodel.CostParams())
+             / costmodel.predict_seconds("hierarchical", k, 4, 1, 1_000, params=costmodel.CostParams()))
+    assert ratio < 0.5  # long-haul carries K/R instead of 2(S-1)/S K: the metro level hides behind it
+    assert multi.comm_seconds_per_step / two.comm_seconds_per_step == pytest.approx(ratio, rel=1e-9)
+    assert multi.total_seconds < two.total_seconds
+    long_haul = sum(b for (a, c), b in multi.egress_bytes_by_link.items() if a[0] != c[0]) / multi.steps
+    assert long_haul == pytest.approx(4 * 2 * 1 / 2 * k / 2)  # each site sends 2(G-1)/G * K/R to the other region
+    metro = sum(b for (a, c), b in multi.egress_bytes_by_link.items() if a[0] == c[0]) / multi.steps
+    assert metro == pytest.approx(4 * (k / 2 + k / 2))  # reduce-scatter K/R + all-gather (R-1)/R * K per site
+    assert two.wan_bytes / two.steps == pytest.approx(4 * 2 * 3 / 4 * k)  # the two-level ring, every hop
+
+
+def test_the_pipeline_slice_is_the_runtimes():
+    from cpn.runtime.collectives import DEFAULT_CHUNK_BYTES
+
+    assert perf.PIPELINE_SLICE_BYTES == DEFAULT_CHUNK_BYTES
