@@ -143,10 +143,11 @@ def _summary(client: Client, job: dict[str, Any], wall: float) -> None:
     click.echo(f"  cost total        {billed} USD (lines exact to 6 places, the invoice total to the cent)")
     quote = next(iter(client.get(f"/api/v1/jobs/{job['metadata']['name']}/quotes")["items"]), None)
     if quote is not None:
-        _quoted_vs_measured(quote, wall, wan / 1e9, billed)
+        exact = sum(per_provider.values(), Decimal(0))  # the lines, before the invoice rounds its total
+        _quoted_vs_measured(quote, wall, wan / 1e9, exact)
 
 
-def _quoted_vs_measured(quote: dict[str, Any], wall: float, wan_gb: float, billed: Decimal) -> None:
+def _quoted_vs_measured(quote: dict[str, Any], wall: float, wan_gb: float, cost: Decimal) -> None:
     """The accepted quote next to the run: how far the compute model was off (it learns from this run)."""
     def ratio(measured: float, predicted: float) -> str:
         return f"{measured / predicted:.2f}×" if predicted else "–"
@@ -155,7 +156,7 @@ def _quoted_vs_measured(quote: dict[str, Any], wall: float, wan_gb: float, bille
     click.echo("  quoted → measured")
     click.echo(f"    time            {quote['predictedSeconds']:.0f} s → {wall:.0f} s ({ratio(wall, quote['predictedSeconds'])})")
     click.echo(f"    WAN             {quote['wanGB']:.4f} GB → {wan_gb:.4f} GB ({ratio(wan_gb, quote['wanGB'])})")
-    click.echo(f"    cost            {price:.2f} → {billed} USD ({ratio(float(billed), price)})")
+    click.echo(f"    cost            {price:.4f} → {cost:.4f} USD ({ratio(float(cost), price)}, before rounding)")
     click.echo("  (each finished run corrects later quotes: cpnctl get calibrations)")
 
 
