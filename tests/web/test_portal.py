@@ -428,6 +428,11 @@ def test_a_job_that_cannot_run_fails_alone_with_its_reason_while_a_good_one_runs
         expect(page.locator("#phase .badge")).to_have_text("Failed", timeout=120_000)
         expect(page.locator("#failure")).to_contain_text("user bug: the data path is empty")
         page.get_by_role("link", name="Jobs", exact=True).click()
-        expect(page.get_by_role("row").filter(has_text="poison")).to_contain_text("Failed")
-        expect(page.get_by_role("row").filter(has_text="good-run")).to_contain_text("Succeeded")
+        page.wait_for_url("**/ui#/jobs")
+
+        def row(name: str):  # the jobs list's row of `name` (not an event row that mentions it)
+            return page.get_by_role("row").filter(has=page.get_by_role("link", name=name, exact=True))
+
+        expect(row("poison")).to_contain_text("Failed")
+        expect(row("good-run")).to_contain_text("Succeeded")
         assert axe_problems(page) == []  # a failed job in the list reads as well as a good one
