@@ -19,22 +19,32 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "jobs").gl
 FAMILIES = {"ddp", "hierarchical", "diloco", "local_sgd", "gossip", "ssp", "async_ps", "auto"}
 
 
-@pytest.fixture
-def hour(live_server):  # type: ignore[no-untyped-def]
-    """Two providers' three CPU sites (the demo's world), heartbeating; contexts for them and a user."""
+def demo_world(live_server) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """Two providers' three CPU sites (the demo's world), heartbeating, and a cpnctl context for alice
+    (also on `live_server.user`); returns each site's provider token."""
+    by_site = {}
     for provider in sorted(PROVIDERS, key=lambda p: p == "alpha-cloud"):  # alpha links to beta's site
         token = live_server.token(provider, "provider")
         out = live_server.cpnctl("--token", token, "--server", live_server.url, "apply", "-f", "-",
                                  input=yaml.safe_dump_all(world(provider)))
         assert out.returncode == 0, out.stderr
         for site in PROVIDERS[provider]:
+            by_site[site] = token
             httpx.post(f"{live_server.url}/api/v1/clusters/{site}-cpu/heartbeat", timeout=10,
                        headers={"Authorization": f"Bearer {token}"},
                        json={"allocatableGpus": 1, "capacityGpus": 1,
                              "conditions": [{"type": "Ready", "status": "True"}]}).raise_for_status()
-    user = live_server.token("alice", "user")
-    out = live_server.cpnctl("config", "set-context", "alice", "--server", live_server.url, "--token", user)
+    live_server.user = live_server.token("alice", "user")
+    out = live_server.cpnctl("config", "set-context", "alice", "--server", live_server.url, "--token",
+                             live_server.user)
     assert out.returncode == 0, out.stderr
+    return by_site
+
+
+@pytest.fixture
+def hour(live_server):  # type: ignore[no-untyped-def]
+    """The demo's world with contexts for its providers and a user."""
+    demo_world(live_server)
     return live_server
 
 

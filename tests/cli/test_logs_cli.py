@@ -11,9 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from cpn.cli.demo import PROVIDERS, world
+from tests.cli.test_first_hour import demo_world
 
 JOB = {"apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": {"name": "two-sites"},
        "spec": {"model": "tiny", "tokens": 120_000, "globalBatchTokens": 3072, "strategy": "diloco",
@@ -23,22 +22,7 @@ JOB = {"apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": {"name": "two-
 @pytest.fixture
 def shop(live_server):  # type: ignore[no-untyped-def]
     """The demo's three CPU sites, heartbeating; a cpnctl context for alice; the providers' tokens by site."""
-    by_site = {}
-    for provider in sorted(PROVIDERS, key=lambda p: p == "alpha-cloud"):  # alpha links to beta's site
-        token = live_server.token(provider, "provider")
-        out = live_server.cpnctl("--token", token, "--server", live_server.url, "apply", "-f", "-",
-                                 input=yaml.safe_dump_all(world(provider)))
-        assert out.returncode == 0, out.stderr
-        for site in PROVIDERS[provider]:
-            by_site[site] = token
-            httpx.post(f"{live_server.url}/api/v1/clusters/{site}-cpu/heartbeat", timeout=10,
-                       headers={"Authorization": f"Bearer {token}"},
-                       json={"allocatableGpus": 1, "capacityGpus": 1,
-                             "conditions": [{"type": "Ready", "status": "True"}]}).raise_for_status()
-    user = live_server.token("alice", "user")
-    out = live_server.cpnctl("config", "set-context", "alice", "--server", live_server.url, "--token", user)
-    assert out.returncode == 0, out.stderr
-    live_server.by_site, live_server.user = by_site, user
+    live_server.by_site = demo_world(live_server)
     assert live_server.cpnctl("apply", "-f", "-", input=json.dumps(JOB)).returncode == 0
     return live_server
 
