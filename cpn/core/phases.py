@@ -8,6 +8,7 @@ from enum import StrEnum
 
 class JobPhase(StrEnum):
     PENDING = "Pending"
+    PROFILING = "Profiling"  # spec.profile: a short timed run at one site before the job is quoted
     QUOTED = "Quoted"
     ACCEPTED = "Accepted"
     RESERVED = "Reserved"
@@ -35,6 +36,7 @@ class SubtaskPhase(StrEnum):
 JOB_TERMINAL = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.CANCELLED})
 JOB_DRAFT = frozenset({JobPhase.PENDING, JobPhase.QUOTED})  # before a quote is accepted: the spec may change
 JOB_ACTIVE = (JobPhase.RESERVED, JobPhase.LAUNCHING, JobPhase.RUNNING)  # the reconciler drives these
+PROFILE_ATTEMPT = 0  # the attempt number of a job's profile run (spec.profile); real attempts count from 1
 SUBTASK_DONE = frozenset({SubtaskPhase.SUCCEEDED, SubtaskPhase.FAILED, SubtaskPhase.CANCELLED, SubtaskPhase.LOST})
 SUBTASK_FAILED = frozenset({SubtaskPhase.FAILED, SubtaskPhase.LOST})
 

@@ -138,6 +138,9 @@ class TrainingJobSpec(CamelModel):
     currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
     code: CodeSpec | None = Field(default=None, description="The user's own training code (see docs/byo.md)")
+    profile: bool = Field(default=False, strict=True, description=(
+        "Before quoting, run a short timed profile of the job at one candidate site; the quotes then use the "
+        "measured step time (basis: profiled). See docs/byo.md"))
     image: str | None = Field(default=None, max_length=255, json_schema_extra={"pattern": IMAGE_RE}, description=(
         "Container image the workers run in on Kubernetes clusters (it needs Python with CPN installed; the "
         "code bundle is fetched into it at start); default: the site agent's image. Local sites ignore it"))
@@ -253,11 +256,31 @@ class Price(CamelModel):
     lines: list[PriceLine]
 
 
+QuoteBasis = Literal["modelled", "profiled"]
+
+
+class ProfileFigure(CamelModel):
+    """What a profiled quote's time rests on: the job's own timed steps at one site (spec.profile)."""
+
+    site: str
+    cluster: str
+    gpus: int
+    gpu_model: str
+    measured_step_seconds: float = Field(description="Measured seconds per step of the profile run")
+    units_per_step: int
+    units_per_second: float
+    steps: int = Field(description="Steps the quoted placement runs")
+    step_seconds: float = Field(description="Predicted seconds per step on the quoted placement")
+
+
 class QuotePublic(CamelModel):
     id: str
     label: str
     placement: list[PlacementLine]
     strategy: str
+    basis: QuoteBasis = Field(default="modelled", description=(
+        "modelled: the compute model's estimate; profiled: from the job's own measured step time (spec.profile)"))
+    profile: ProfileFigure | None = None
     predicted_seconds: float
     wan_gb: float
     price: Price
