@@ -37,12 +37,32 @@ class Measured(CamelModel):
     ratio: float | None = None
 
 
+class ProfileStatus(CamelModel):
+    """The job's profile run (spec.profile): where it ran, its budget, and what it measured."""
+
+    site: str
+    cluster: str
+    gpus: int
+    gpu_model: str
+    tflops: float  # peak per GPU of the profiled cluster: the compute model scales other GPU models from it
+    intra_gbps: float
+    units_per_step: int
+    steps: int
+    max_seconds: float
+    measured_step_seconds: float | None = None
+    measured_steps: int = 0
+    units_per_second: float | None = None
+    note: str | None = None
+
+
 class JobStatus(CamelModel):
     """`phase` itself lives in its own column (`JobRow.phase`, a `JobPhase`); views add it on read."""
 
     conditions: list[dict[str, Any]] = Field(default_factory=list)
     phase_times: dict[str, str] = Field(default_factory=dict)
     message: str | None = None
+    # spec.profile: the timed run before quoting (layers/orchestration/jobs/profile.py)
+    profile: ProfileStatus | None = None
     # the accepted quote (layers/service/contracts.py)
     contract: str | None = None
     quote: str | None = None

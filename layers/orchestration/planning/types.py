@@ -103,6 +103,20 @@ class DataMove:
 
 
 @dataclass(frozen=True)
+class Profiled:
+    """The job's own steps, timed at one site before quoting (spec.profile): ``step_seconds`` per step
+    of ``units_per_step`` units on ``gpus`` GPUs of ``gpu_model`` (peak ``tflops`` each, one site whose
+    GPUs all-reduce at ``intra_gbps``)."""
+
+    gpu_model: str
+    tflops: float
+    gpus: int
+    intra_gbps: float
+    units_per_step: int
+    step_seconds: float
+
+
+@dataclass(frozen=True)
 class JobRequirements:
     model: ModelShape
     tokens: int
@@ -128,6 +142,7 @@ class JobRequirements:
     autotuned: frozenset[str] = frozenset()
     learned: Learned = Learned()
     data: DataNeed | None = None  # spec.dataset when it names a Dataset (planning/data.py)
+    profiled: Profiled | None = None  # spec.profile, once measured: compute is priced from it (perf.py)
 
 
 @dataclass(frozen=True)
