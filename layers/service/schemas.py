@@ -12,7 +12,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from cpn.core.manifest import CamelModel, ManifestBase, Money
 from cpn.runtime import presets
 
-Strategy = Literal["auto", "ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps"]
+Strategy = Literal["auto", "ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "pipeline"]
 DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # an OCI image reference: [registry[:port]/]path[:tag][@sha256:digest]
@@ -106,6 +106,24 @@ class ObjectiveSpec(CamelModel):
     time: float = Field(default=0.5, ge=0)
 
 
+class ParallelismSpec(CamelModel):
+    """How the model is split: ``pipelineStages`` contiguous stages, one per site (the pipeline
+    strategy), times ``dataReplicas`` copies of that pipeline. Unset: the planner chooses."""
+
+    pipeline_stages: int | None = Field(default=None, ge=2, le=64, description=(
+        "Cut the model into exactly this many pipeline stages, one per site (strategy pipeline)"))
+    data_replicas: int = Field(default=1, ge=1, le=64, description=(
+        "Replicas of the whole pipeline; the runtime runs one (1) for now"))
+
+    @field_validator("data_replicas")
+    @classmethod
+    def _one_replica(cls, v: int) -> int:
+        if v > 1:
+            raise ValueError(f"{v} replicas of the pipeline: CPN's runtime runs one pipeline per job for now "
+                             "(replicas combined with diloco are not built yet); set dataReplicas to 1")
+        return v
+
+
 class CodeSpec(CamelModel):
     """The user's own training code: a bundle packed from ``path`` by ``cpnctl apply`` (which fills in
     ``digest``); the workers call ``entrypoint`` (``module:function``) with ``args`` as ``job.config``."""
@@ -138,6 +156,9 @@ class TrainingJobSpec(CamelModel):
     currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
     code: CodeSpec | None = Field(default=None, description="The user's own training code (see docs/byo.md)")
+    parallelism: ParallelismSpec | None = Field(default=None, description=(
+        "Pipeline stages and replicas; unset, CPN cuts the model only when no site's GPUs hold it whole "
+        "or a pipeline is predicted faster"))
     profile: bool = Field(default=False, strict=True, description=(
         "Before quoting, run a short timed profile of the job at one candidate site; the quotes then use the "
         "measured step time (basis: profiled). See docs/byo.md"))
@@ -163,6 +184,19 @@ class TrainingJobSpec(CamelModel):
                 "required with spec.code: CPN cannot price your code without knowing its size. Give the "
                 "model's parameter count (e.g. sum(p.numel() for p in model.parameters())); the compute "
                 "model counts 6 FLOPs per parameter per unit unless you state spec.model.flopsPerUnit"))
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stages(cls, data: Any) -> Any:
+        """pipelineStages cuts the model: only with strategy pipeline (or auto, which it then means)."""
+        if not isinstance(data, dict) or not isinstance(data.get("parallelism"), dict):
+            return data
+        stages, strategy = data["parallelism"].get("pipelineStages"), data.get("strategy", "auto")
+        if stages is not None and strategy not in ("auto", "pipeline"):
+            raise _error_at(("parallelism", "pipelineStages"), "stages_strategy", data, (
+                f"{stages} pipeline stages with strategy {strategy!r}: stages are for the pipeline strategy; "
+                "set strategy to pipeline (or auto), or drop pipelineStages"))
         return data
 
     @model_validator(mode="after")
@@ -239,6 +273,7 @@ class PlacementLine(CamelModel):
     site: str
     gpus: int
     gpu_model: str
+    stage: int | None = Field(default=None, description="The pipeline stage these GPUs run (null: data parallel)")
 
 
 class PriceLine(CamelModel):
