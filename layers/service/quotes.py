@@ -115,7 +115,10 @@ def _view(q: dict[str, Any], chosen: str | None, now: datetime) -> dict[str, Any
     q = dict(q)
     q["metadata"] = {"name": q["label"]}
     q["chosen"] = "*" if chosen is not None and chosen in (q["label"], q["id"]) else ""
-    q["placementSummary"] = ",".join(f"{p['gpus']}x{p['gpuModel']}@{p['site']}" for p in q["placement"])
+    # a pipeline's lines name their stage: "s0:1xCPU@a>s1:1xCPU@b" (the activations' path)
+    q["placementSummary"] = (">" if any(p.get("stage") is not None for p in q["placement"]) else ",").join(
+        ("" if p.get("stage") is None else f"s{p['stage']}:") + f"{p['gpus']}x{p['gpuModel']}@{p['site']}"
+        for p in sorted(q["placement"], key=lambda p: p.get("stage") or 0))
     q["gpus"] = sum(p["gpus"] for p in q["placement"])
     if q["state"] == "open" and datetime.fromisoformat(q["expiresAt"]) <= now:
         q["state"] = "expired"

@@ -35,7 +35,9 @@ def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequi
         regions=frozenset(spec.placement.regions) or None, sites=frozenset(spec.placement.sites) or None,
         exclude_sites=frozenset(spec.placement.exclude_sites), deadline_seconds=deadline,
         budget=Decimal(spec.budget) if spec.budget is not None else None, currency=spec.currency,
-        workload=workload_of(spec.code.digest if spec.code is not None else None))
+        workload=workload_of(spec.code.digest if spec.code is not None else None),
+        stages=spec.parallelism.pipeline_stages if spec.parallelism else None,
+        data_replicas=spec.parallelism.data_replicas if spec.parallelism else 1)
 
 
 def objective(spec: TrainingJobSpec) -> Objective:

@@ -22,7 +22,8 @@ CODE_UNIT = 8  # spec.code jobs: the global batch is whole multiples of this man
 
 def topology_for(placement: list[dict[str, Any]], ring: list[str], links: list[LinkView]) -> dict[str, Any]:
     """Placement lines carry their site's region (placements written before they did: none, so the
-    job's sites are each a region of their own and hierarchical runs its two-level all-reduce)."""
+    job's sites are each a region of their own and hierarchical runs its two-level all-reduce). A
+    pipeline's lines name their stage: its sites go in stage order, so site index s runs stage s."""
     ranks: dict[str, int] = {}
     regions: dict[str, str] = {}
     for p in placement:
@@ -30,6 +31,9 @@ def topology_for(placement: list[dict[str, Any]], ring: list[str], links: list[L
         if p.get("region"):
             regions[p["site"]] = p["region"]
     order = [s for s in ring if s in ranks] + [s for s in ranks if s not in ring]
+    stage = {p["site"]: int(p["stage"]) for p in placement if p.get("stage") is not None}
+    if stage:
+        order.sort(key=lambda s: stage.get(s, len(order)))
     return derive(order, ranks, links, regions=regions).model_dump(mode="json")
 
 
@@ -79,7 +83,8 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
     cfg: dict[str, Any] = {
         "model": preset, "tokens": spec.tokens, "global_batch_tokens": batch, "seq_len": seq_len,
         "strategy": {"name": strategy, **knobs, "staleness": spec.staleness,
-                     **({"ps": min(sites, workers)} if strategy in PS_STRATEGIES else {})},
+                     **({"ps": min(sites, workers)} if strategy in PS_STRATEGIES else {}),
+                     **({"stages": sites} if strategy == "pipeline" else {})},
         "val_every": max(1, steps // 10), "seed": 0,
         # elastic strategies: often (a lost site rejoins from the latest); diloco rounds up to outer steps
         "checkpoint_every": (knobs["inner_steps"] or max(1, steps // 20)) if strategy in ELASTIC else max(1, steps // 5),

@@ -44,7 +44,8 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
         raise errors.Infeasible(f"no placement without {sorted(failed_sites)}: {exc.message}") from exc
     region_of = {o.name: o.region for o in offers}
     return [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
-             "region": region_of[a.cluster]} for a in plan.assignments]
+             "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage})}
+            for a in plan.assignments]
 
 
 def ring_of(plan_ring: list[str], placement_lines: list[dict]) -> list[str]:

@@ -75,7 +75,7 @@ __all__ = [
     "STARTUP_BY_DRIVER", "STARTUP_SECONDS", "TOKEN_EFFICIENCY", "TRAINING_STATE_BYTES", "flops_per_step", "predict",
     "profile_factor",
     "Levels", "levels_of", "multilevel_comm", "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param",
-    "wire_ratio", "worker_memory_gb",
+    "wire_ratio", "worker_memory_gb", "micro_batches", "predict_pipeline", "stage_cuts", "stage_memory_gb",
 ]
 
 # Launching → Running before any lesson: a Kubernetes pod is scheduled, pulls its image and meets
@@ -91,7 +91,7 @@ INTRA_ALPHA_SECONDS = 10e-6
 GRADIENT_BYTES = 4
 TOKEN_EFFICIENCY: dict[str, float] = {
     "ddp": 1.0, "hierarchical": 1.0, "diloco": 1.0, "local_sgd": 1.03, "ssp": 1.02, "gossip": 1.08,
-    "async_ps": 1.10,
+    "async_ps": 1.10, "pipeline": 1.0,  # a pipeline is the same optimisation as one process (a runtime test)
 }
 _INT8_CHUNK = 256
 # Every strategy keeps a whole replica on each worker: at the least its bf16 weights and gradients
@@ -318,6 +318,8 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if strategy == "pipeline":
+        return predict_pipeline(req, assignments, offers, links)
     used = [a for a in assignments if a.gpus > 0]
     if not used:
         raise ValueError("empty placement: no assignment has GPUs")
@@ -393,3 +395,153 @@ def _intra_bytes(req: JobRequirements, site_gpus: Mapping[str, int]) -> float:
     """Bytes the sites' ranks send each other per step in the bf16 gradient all-reduce."""
     grads = req.model.parameters * GRADIENT_BYTES
     return sum(2 * (w - 1) / w * grads * w for w in site_gpus.values() if w > 1)
+
+
+# ---------------------------------------------------------------------------------------- pipeline
+# The runtime's pipeline (cpn/runtime/strategies/pipeline.py) cuts the built-in LM's units (embedding,
+# blocks, head) into P contiguous stages by parameter count, one stage per site, W workers per site
+# data parallel inside the stage, micro-batches in 1F1B. Its constants, read from the runtime (one source):
+ACTIVATION_VALUE_BYTES = 4  # activations and their gradients cross a cut as fp32 unless a codec shrinks them
+
+
+def _runtime_pipeline() -> tuple[int, int]:
+    """(micro-batches per rank and step, vocabulary of the built-in LMs) as the runtime's defaults say."""
+    from cpn.runtime.config import StrategyConfig
+    from cpn.runtime.presets import ModelConfig
+
+    return int(StrategyConfig.model_fields["micro_batches"].default), ModelConfig().vocab_size
+
+
+PIPELINE_MICRO_BATCHES, PIPELINE_VOCAB = _runtime_pipeline()
+
+
+def _units(req: JobRequirements) -> list[float]:
+    """Parameters of the model's units as the runtime cuts them: embedding, ``layers`` blocks, head.
+    A transformer block holds ≈ 12·h² + 13·h parameters; the rest is split between the embedding and
+    the head (which holds its copy of the tied token table)."""
+    m = req.model
+    layers = max(1, m.layers)
+    block = 12.0 * m.hidden**2 + 13.0 * m.hidden
+    if block * layers >= m.parameters:
+        block = m.parameters / (layers + 2)
+    edge = (m.parameters - block * layers) / 2
+    return [edge, *([block] * layers), edge]
+
+
+def max_stages(req: JobRequirements) -> int:
+    """The runtime cuts at unit boundaries: at most layers + 2 stages."""
+    return max(1, req.model.layers) + 2
+
+
+def stage_cuts(req: JobRequirements, stages: int) -> list[tuple[float, float]]:
+    """(parameters, share of the blocks) of each of ``stages`` stages, cut as the runtime cuts
+    (:func:`cpn.runtime.stages.partition`: contiguous, the largest stage as small as possible)."""
+    from cpn.runtime.stages import partition
+
+    sizes = _units(req)
+    layers = len(sizes) - 2
+    out = []
+    for start, end in partition([round(x) for x in sizes], stages):
+        blocks = sum(1 for u in range(start, end) if 0 < u <= layers)
+        out.append((sum(sizes[start:end]), blocks / layers))
+    return out
+
+
+def micro_batches(req: JobRequirements, width: int) -> int:
+    """Micro-batches one stage-0 rank splits its share of a step into: whole sequences, at most the
+    runtime's default (``strategy.micro_batches``), at least one."""
+    sequences = req.global_batch_tokens // max(1, req.model.seq_len) // max(1, width)
+    return max(1, min(PIPELINE_MICRO_BATCHES, sequences))
+
+
+def stage_memory_gb(req: JobRequirements, stages: int, stage: int, micro: int,
+                    cuts: list[tuple[float, float]] | None = None) -> float:
+    """GB one worker of pipeline stage ``stage`` (of ``stages``) needs at the least: its stage's
+    training state (:data:`TRAINING_STATE_BYTES` per parameter, as :func:`worker_memory_gb` counts a
+    whole replica: Adam's state sharded over the stage's data-parallel workers) and the activations of
+    its blocks for the micro-batches 1F1B keeps in flight there, min(P − s, M), one sequence each."""
+    params, blocks = (cuts or stage_cuts(req, stages))[stage]
+    m = req.model
+    per_unit = m.bytes_per_unit if m.bytes_per_unit is not None else ACTIVATION_BYTES * m.hidden * m.layers
+    in_flight = min(stages - stage, micro)
+    return (params * TRAINING_STATE_BYTES + per_unit * m.seq_len * blocks * in_flight) / 1e9
+
+
+def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers: Mapping[str, ClusterOffer],
+                     links: list[WanLink]) -> Prediction:
+    """Time, WAN bytes and cost of a pipeline: assignment ``stage`` s at one site each, W GPUs per stage.
+
+    Per step (T tokens, M micro-batches, P stages): stage s computes c_s = FLOPs · (its share of the
+    parameters) / its site's throughput; a cut carries T · hidden · 4 B of activations forward and as
+    many gradient bytes back (full duplex, so one direction's time counts), ℓ = bytes / B + M·α over
+    the link between the two stages' sites. 1F1B runs M micro-batches through P stages in
+    (M + P − 1) slots of the slowest of them, so a step takes (M + P − 1)/M · max(max c_s, max ℓ)
+    (bubble (P − 1)/(M + P − 1)), then the first and last stage exchange the tied token table's
+    gradient (vocab · hidden · 4 B each way) and every stage all-reduces its gradients inside its
+    site. Stage 0 also sends the targets to the last stage (1 B per token)."""
+    used = sorted((a for a in assignments if a.gpus > 0), key=lambda a: (a.stage is None, a.stage or 0))
+    if not used or any(a.stage is None for a in used):
+        raise ValueError("a pipeline placement names the stage of every assignment")
+    site_of: dict[int, str] = {}
+    width: dict[int, int] = {}
+    tflops: dict[int, float] = {}
+    for a in used:
+        assert a.stage is not None
+        if site_of.setdefault(a.stage, a.site) != a.site:
+            raise ValueError(f"stage {a.stage} spans sites {site_of[a.stage]} and {a.site}: one site per stage")
+        width[a.stage] = width.get(a.stage, 0) + a.gpus
+        tflops[a.stage] = tflops.get(a.stage, 0.0) + a.gpus * calibration.effective_tflops(
+            offers[a.cluster].gpu_model, offers[a.cluster].tflops)
+    stages = len(site_of)
+    if sorted(site_of) != list(range(stages)):
+        raise ValueError(f"pipeline stages must be 0..{stages - 1}, got {sorted(site_of)}")
+    order = [site_of[s] for s in range(stages)]
+    index = link_index(links)
+    cuts = stage_cuts(req, stages)
+    total_params = sum(p for p, _ in cuts)
+    w0 = width[0]
+    micro = micro_batches(req, w0)
+    flops = flops_per_step(req)
+    compute = [flops * cuts[s][0] / total_params / (tflops[s] * 1e12) for s in range(stages)]
+    act = req.global_batch_tokens * req.model.hidden * ACTIVATION_VALUE_BYTES * wire_ratio(req.compression)
+    tied = PIPELINE_VOCAB * req.model.hidden * ACTIVATION_VALUE_BYTES
+    per_step: dict[Key, float] = {}
+    link_s = []
+    for s in range(stages - 1):
+        fwd, bwd = (order[s], order[s + 1]), (order[s + 1], order[s])
+        if fwd not in index:
+            raise ValueError(f"no link between sites {fwd[0]} and {fwd[1]}")
+        link = index[fwd]
+        link_s.append(act * 8 / (link.bandwidth_gbps * 1e9) + micro * link.rtt_ms / 2e3)
+        per_step[fwd] = per_step.get(fwd, 0.0) + act
+        per_step[bwd] = per_step.get(bwd, 0.0) + act
+    ends = (order[0], order[-1])
+    if ends not in index:
+        raise ValueError(f"no link between sites {ends[0]} and {ends[1]} (first and last stage share the tied "
+                         "token table)")
+    per_step[ends] = per_step.get(ends, 0.0) + tied + req.global_batch_tokens
+    per_step[ends[::-1]] = per_step.get(ends[::-1], 0.0) + tied
+    tied_s = (tied + req.global_batch_tokens) * 8 / (index[ends].bandwidth_gbps * 1e9) + index[ends].rtt_ms / 2e3
+    intra_gbps = intra_gbps_by_site(used, offers)
+    intra = max(float(ring_allreduce_seconds(cuts[s][0] * GRADIENT_BYTES, width[s], intra_gbps[order[s]],
+                                             INTRA_ALPHA_SECONDS)) for s in range(stages))
+    slowest = max(compute)
+    schedule = (micro + stages - 1) / micro * max(slowest, *link_s)
+    steps = steps_for(req, "pipeline")
+    factor, startup = _learned(req, "pipeline", used, dict(offers))
+    step = (schedule + tied_s + intra) * factor
+    total = steps * step + startup
+    egress = {hop: b * steps for hop, b in per_step.items()}
+    gpu_seconds: dict[str, float] = {}
+    for a in used:
+        gpu_seconds[a.cluster] = gpu_seconds.get(a.cluster, 0.0) + a.gpus * total
+    cost = sum(sec / 3600 * float(offers[c].price_per_gpu_hour) for c, sec in gpu_seconds.items())
+    cost += sum(b / 1e9 * float(index[hop].price_per_gb) for hop, b in egress.items())
+    intra_bytes = sum(2 * (width[s] - 1) * cuts[s][0] * GRADIENT_BYTES for s in range(stages))
+    return Prediction(
+        strategy="pipeline", steps=steps, compute_seconds_per_step=slowest * factor,
+        comm_seconds_per_step=step - slowest * factor, step_seconds=step, total_seconds=total,
+        wan_bytes=sum(egress.values()), intra_bytes=intra_bytes * steps, gpu_seconds_by_cluster=gpu_seconds,
+        egress_bytes_by_link=egress, est_cost=cost, step_factor=factor, startup_seconds=startup,
+        bubble_fraction=(stages - 1) / (micro + stages - 1),
+    )

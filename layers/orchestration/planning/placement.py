@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from cpn.core.errors import Infeasible
-from layers.orchestration.planning import calibration, data, perf
+from layers.orchestration.planning import calibration, data, perf, pipeline
 from layers.orchestration.planning.ring import Key, best_ring, bottleneck, link_index
 from layers.orchestration.planning.types import (
     STRATEGIES,
@@ -188,11 +188,51 @@ class Problem:
 def plan(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
          solver: str = "auto") -> Plan:
     """The best placement of `req`; raises :class:`Infeasible` naming the binding constraint."""
-    problem = build_problem(req, offers, links, objective)
-    best = solve(problem, solver)
+    best, why = _best(req, offers, links, objective, solver)
     if best is None:
-        raise diagnose(problem, solver)
+        assert why is not None
+        raise why
     return best
+
+
+def pipeline_mode(req: JobRequirements) -> str:
+    """``only``: the job asks for a pipeline (strategy or spec.parallelism.pipelineStages); ``may``:
+    strategy auto on CPN's built-in model, a pipeline when it is the only fit or predicted faster;
+    ``never``: a data-parallel strategy was asked for, or the runtime cannot cut the job's model."""
+    if req.strategy == "pipeline" or req.stages is not None:
+        return "only"
+    return "may" if req.strategy == "auto" and pipeline.allowed(req) is None else "never"
+
+
+def _best(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
+          solver: str) -> tuple[Plan | None, Infeasible | None]:
+    """(the best plan, None) or (None, why nothing fits): data parallel, a pipeline, or the better of
+    the two under :func:`pipeline_mode`."""
+    mode = pipeline_mode(req)
+    whole: Plan | None = None
+    why: Infeasible | None = None
+    if mode != "only":
+        try:
+            problem = build_problem(req, offers, links, objective)
+            whole = solve(problem, solver)
+            if whole is None:
+                why = diagnose(problem, solver)
+        except Infeasible as exc:
+            why = exc
+        if mode == "never" or (whole is None and why is not None and why.field != "spec.model"):
+            return whole, why  # only a model too big for one GPU makes a pipeline worth a look
+    staged_problem = build_problem(req, offers, links, objective, whole_replica=False)
+    if whole is not None and pipeline.lower_bound_seconds(staged_problem) >= whole.prediction.total_seconds:
+        return whole, None  # no pipeline can be faster
+    staged = pipeline.solve(staged_problem)
+    if staged is None:
+        return whole, (None if whole is not None else pipeline.diagnose(staged_problem, why))
+    if whole is None:
+        return staged, None
+    faster = staged.prediction.total_seconds < whole.prediction.total_seconds
+    better = staged.objective_value <= float(staged_problem.score(whole.prediction.est_cost,
+                                                                  whole.prediction.total_seconds))
+    return (staged if faster and better else whole), None
 
 
 def quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
@@ -223,8 +263,7 @@ def _quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list
                    solver: str) -> dict[str, Plan]:
     out = {"balanced": plan(req, offers, links, objective, solver)}
     for label, weights in (("cheapest", Objective(cost=1.0, time=0.0)), ("fastest", Objective(cost=0.0, time=1.0))):
-        problem = build_problem(req, offers, links, weights)
-        out[label] = solve(problem, solver) or out["balanced"]
+        out[label] = _best(req, offers, links, weights, solver)[0] or out["balanced"]
     return {label: out[label] for label in ("cheapest", "fastest", "balanced")}
 
 
@@ -283,10 +322,11 @@ def _evened(problem: Problem, counts: dict[int, int], sites: list[str]) -> dict[
 
 
 def build_problem(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink],
-                  objective: Objective) -> Problem:
-    """Filter the candidates and set the references; raises Infeasible when the filters leave too little."""
+                  objective: Objective, whole_replica: bool = True) -> Problem:
+    """Filter the candidates and set the references; raises Infeasible when the filters leave too little.
+    ``whole_replica=False`` keeps GPUs too small for a whole replica (a pipeline stage may fit them)."""
     _check_request(req, objective)
-    candidates = _candidates(req, offers)
+    candidates = _candidates(req, offers, whole_replica)
     sites = sorted({o.site for o in candidates})
     site_pos = {s: k for k, s in enumerate(sites)}
     wanted = set(sites)
@@ -340,7 +380,7 @@ def _models(req: JobRequirements) -> str:
     return "/".join(sorted(req.gpu_models)) if req.gpu_models else ""
 
 
-def _candidates(req: JobRequirements, offers: list[ClusterOffer]) -> list[ClusterOffer]:
+def _candidates(req: JobRequirements, offers: list[ClusterOffer], whole_replica: bool = True) -> list[ClusterOffer]:
     models = [o for o in offers if req.gpu_models is None or o.gpu_model in req.gpu_models]
     if not models:
         offered = ", ".join(sorted({o.gpu_model for o in offers})) or "none"
@@ -352,7 +392,8 @@ def _candidates(req: JobRequirements, offers: list[ClusterOffer]) -> list[Cluste
         raise Infeasible(f"no {_models(req)} clusters {_where(req)}".replace("  ", " "),
                          field="spec.placement.regions")
     placed = _resident(req, placed)
-    candidates = [o for o in _fitting(req, placed) if o.free_gpus > 0 and o.currency == req.currency]
+    fitting = _fitting(req, placed) if whole_replica else placed
+    candidates = [o for o in fitting if o.free_gpus > 0 and o.currency == req.currency]
     free = sum(o.free_gpus for o in candidates)
     if free < req.gpus_min:
         label = f"{_models(req)} GPUs" if req.gpu_models else "GPUs"
@@ -385,7 +426,8 @@ def _fitting(req: JobRequirements, offers: list[ClusterOffer]) -> list[ClusterOf
     fits = [o for o in offers if o.memory_gb <= 0 or o.memory_gb >= need]
     if offers and not fits:
         largest = max(o.memory_gb for o in offers)
-        raise Infeasible(f"The model needs at least {need:.1f} GB per GPU to train (every worker holds a whole "
+        amount = f"{need:.1f}" if need >= 0.1 else f"{need:.3g}"  # a declared toy GPU's megabytes still read
+        raise Infeasible(f"The model needs at least {amount} GB per GPU to train (every worker holds a whole "
                          f"replica: bf16 weights and gradients, {perf.TRAINING_STATE_BYTES} bytes per parameter, "
                          f"and one sequence's activations); the largest GPU offered {_where(req)} has "
                          f"{largest:g} GB. Choose a smaller model", field="spec.model")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-STRATEGIES = ("ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps")
+# pipeline: the model cut into one contiguous stage per site (planning/pipeline.py); the others are data parallel
+STRATEGIES = ("ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class JobRequirements:
     learned: Learned = Learned()
     data: DataNeed | None = None  # spec.dataset when it names a Dataset (planning/data.py)
     profiled: Profiled | None = None  # spec.profile, once measured: compute is priced from it (perf.py)
+    stages: int | None = None  # spec.parallelism.pipelineStages: a pipeline of exactly this many stages
+    data_replicas: int = 1  # spec.parallelism.dataReplicas: replicas of the pipeline (the runtime runs 1)
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class Assignment:
     site: str
     gpus: int
     gpu_model: str
+    stage: int | None = None  # pipeline stage the cluster's GPUs run (None: data parallel)
 
 
 @dataclass
@@ -178,6 +182,7 @@ class Prediction:
     startup_seconds: float = 0.0
     data_seconds: float = 0.0  # waiting for the dataset's copies (planning/data.py); already in total_seconds
     data_moves: dict[str, DataMove] = field(default_factory=dict)  # placed site → its copy of the dataset
+    bubble_fraction: float = 0.0  # pipeline: the idle share of a step on free links, (P−1)/(M+P−1)
 
 
 @dataclass

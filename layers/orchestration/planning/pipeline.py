@@ -1,0 +1,216 @@
+"""Pipeline placement: how many stages, which site runs which stage, how many GPUs each.
+
+A job whose whole replica does not fit one GPU (:func:`perf.worker_memory_gb` above every offered
+GPU's memory) can still train when the model is cut into P contiguous stages, one per site
+(:mod:`cpn.runtime.strategies.pipeline`): each GPU then holds one stage (:func:`perf.stage_memory_gb`).
+The search, over the candidates of one :class:`~layers.orchestration.planning.placement.Problem`:
+
+- P from 2 (or ``spec.parallelism.pipelineStages`` exactly) up to the sites allowed and the model's
+  units (layers + 2);
+- every ordered choice of P distinct sites (stage s → the s-th), consecutive stages and the first and
+  last (they share the tied token table) directly linked; exhaustive while the ordered choices number
+  at most :data:`EXHAUSTIVE_CHOICES` (solver ``exact``), else over the strongest sites only, as many
+  as keep the count under it (solver ``heuristic``);
+- W GPUs at every stage (the runtime needs the same number at each site), a handful of widths
+  between the job's GPU bounds; each stage fills its W from the site's clusters whose GPUs hold that
+  stage, cheapest per effective TFLOP first.
+
+Each choice is priced with :func:`perf.predict_pipeline` (its step is (M + P − 1)/M times the slower
+of the slowest stage's compute and the slowest cut's transfer) and scored with the problem's
+objective; the deadline and budget bind as for data-parallel plans.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cpn.core.errors import Infeasible
+from layers.orchestration.planning import data, perf
+from layers.orchestration.planning.types import Assignment, ClusterOffer, JobRequirements, Plan
+
+if TYPE_CHECKING:
+    from layers.orchestration.planning.placement import Problem
+
+__all__ = ["EXHAUSTIVE_CHOICES", "allowed", "diagnose", "lower_bound_seconds", "solve", "stage_counts"]
+
+EXHAUSTIVE_CHOICES = 600  # ordered stage→site choices (over every P) priced one by one
+WIDTHS = 6  # GPUs-per-stage values tried for each choice
+_MEMO: OrderedDict[tuple[Any, ...], list[Plan]] = OrderedDict()
+_MEMO_SIZE = 16
+
+
+def allowed(req: JobRequirements) -> str | None:
+    """Why this job cannot run as a pipeline (None: it can): the runtime cuts CPN's built-in LM only."""
+    if req.workload != "lm":
+        return "the pipeline strategy cuts CPN's built-in models only, not spec.code"
+    if req.data_replicas > 1:
+        return (f"spec.parallelism.dataReplicas {req.data_replicas}: the runtime runs one replica of the "
+                "pipeline; set dataReplicas to 1")
+    return None
+
+
+def stage_counts(problem: Problem) -> range:
+    req = problem.req
+    top = min(problem.sites_max, len(problem.sites), perf.max_stages(req))
+    if req.stages is not None:
+        return range(req.stages, req.stages + 1) if req.stages <= top else range(0)
+    return range(max(2, problem.sites_min), top + 1)
+
+
+def lower_bound_seconds(problem: Problem) -> float:
+    """No pipeline on these candidates is faster than this: every GPU busy on compute, no bubble."""
+    throughput = float((problem.free * problem.eff).sum()) * 1e12
+    return perf.steps_for(problem.req, "pipeline") * problem.flops * 1e12 / max(throughput, 1e-9)
+
+
+def solve(problem: Problem) -> Plan | None:
+    """The best-scoring pipeline plan under the problem's objective (None: no pipeline fits)."""
+    plans = candidates(problem)
+    if not plans:
+        return None
+    best = min(plans, key=lambda p: float(problem.score(p.prediction.est_cost, p.prediction.total_seconds)))
+    return Plan(best.assignments, best.prediction,
+                float(problem.score(best.prediction.est_cost, best.prediction.total_seconds)), best.solver,
+                list(best.ring))
+
+
+def candidates(problem: Problem) -> list[Plan]:
+    """Every pipeline plan the search prices that meets the constraints (objective left at 0); the
+    same inputs give the same list (memoised: a quote scores it under three objectives)."""
+    req = problem.req
+    key = (req, tuple(problem.offers), tuple(problem.links))
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = _search(problem)
+        _MEMO[key] = hit
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    return hit
+
+
+def _search(problem: Problem) -> list[Plan]:
+    req = problem.req
+    counts = stage_counts(problem)
+    if not len(counts) or allowed(req) is not None:
+        return []
+    by_site: dict[str, list[int]] = {}
+    ratio = problem.price / np.maximum(problem.eff, 1e-12)
+    for i in sorted(range(len(problem.offers)), key=lambda i: (ratio[i], problem.offers[i].name)):
+        by_site.setdefault(problem.offers[i].site, []).append(i)
+    strength = {s: float(sum(problem.free[i] * problem.eff[i] for i in members)) for s, members in by_site.items()}
+    sites = sorted(by_site, key=lambda s: (-strength[s], s))
+    k = len(sites)
+    while k > max(counts.start, 2) and sum(math.perm(k, p) for p in counts if p <= k) > EXHAUSTIVE_CHOICES:
+        k -= 1
+    solver = "exact" if k == len(sites) else "heuristic"
+    sites = sites[:k]
+    out: list[Plan] = []
+    for stages in counts:
+        if stages > k:
+            break
+        cuts = perf.stage_cuts(req, stages)
+        for order in itertools.permutations(sites, stages):
+            if any(problem.linked(a, b) <= 0 for a, b in zip(order, order[1:], strict=False)) or \
+                    problem.linked(order[0], order[-1]) <= 0:
+                continue
+            out.extend(_widths(problem, list(order), cuts, by_site, solver))
+    return out
+
+
+def _fit(problem: Problem, members: list[int], need_gb: float) -> list[int]:
+    return [i for i in members if problem.offers[i].memory_gb <= 0 or problem.offers[i].memory_gb >= need_gb]
+
+
+def _width_options(low: int, high: int) -> list[int]:
+    if high < low:
+        return []
+    picks = {low, high} | {2**j for j in range(int(math.log2(high)) + 1) if low <= 2**j <= high}
+    ordered = sorted(picks)
+    if len(ordered) > WIDTHS:  # keep both ends and the powers of two spread between them
+        ordered = sorted({ordered[round(j * (len(ordered) - 1) / (WIDTHS - 1))] for j in range(WIDTHS)})
+    return ordered
+
+
+def _widths(problem: Problem, order: list[str], cuts: list[tuple[float, float]], by_site: dict[str, list[int]],
+            solver: str) -> list[Plan]:
+    req, stages = problem.req, len(order)
+    out: list[Plan] = []
+    low = max(1, -(-problem.gpus_min // stages))
+    room = None
+    fitting: list[list[int]] = []
+    for s, site in enumerate(order):  # memory: the most micro-batches in flight (width 1) bounds every width
+        need = perf.stage_memory_gb(req, stages, s, perf.micro_batches(req, 1), cuts)
+        members = _fit(problem, by_site[site], need)
+        fitting.append(members)
+        free = int(sum(problem.free[i] for i in members))
+        room = free if room is None else min(room, free)
+    high = min(room or 0, problem.gpus_max // stages)
+    for width in _width_options(low, high):
+        assignments = []
+        for s, members in enumerate(fitting):
+            need = width
+            for i in members:
+                take = min(need, int(problem.free[i]))
+                if take:
+                    o = problem.offers[i]
+                    assignments.append(Assignment(o.name, o.site, take, o.gpu_model, stage=s))
+                    need -= take
+                if not need:
+                    break
+        plan = _priced(problem, assignments, order, solver)
+        if plan is not None:
+            out.append(plan)
+    return out
+
+
+def _priced(problem: Problem, assignments: list[Assignment], order: list[str], solver: str) -> Plan | None:
+    req = problem.req
+    offers: dict[str, ClusterOffer] = {a.cluster: next(o for o in problem.offers if o.name == a.cluster)
+                                       for a in assignments}
+    prediction = perf.predict_pipeline(req, assignments, offers, problem.links_among(sorted(set(order))))
+    if req.data is not None:
+        data.add_to(prediction, problem.data_routes, assignments, offers)
+    if req.deadline_seconds is not None and prediction.total_seconds > req.deadline_seconds:
+        return None
+    if req.budget is not None and prediction.est_cost > float(req.budget):
+        return None
+    return Plan(assignments, prediction, 0.0, solver, list(order))
+
+
+def diagnose(problem: Problem, whole: Infeasible | None) -> Infeasible:
+    """Why no pipeline fits either: stages beyond the sites or the model's units, no linked chain of
+    sites, memory even for the smallest stage, or the deadline/budget."""
+    req = problem.req
+    reason = allowed(req)
+    if reason is not None:
+        return Infeasible(reason, field="spec.parallelism.dataReplicas" if req.data_replicas > 1 else "spec.code")
+    counts = stage_counts(problem)
+    top = min(problem.sites_max, len(problem.sites), perf.max_stages(req))
+    prefix = f"{whole.message.removesuffix('. Choose a smaller model')}. " if whole is not None else ""
+    if not len(counts):
+        if req.stages is not None:
+            return Infeasible(f"{prefix}spec.parallelism.pipelineStages {req.stages}: at most {top} stages here "
+                              f"(one per site: {len(problem.sites)} sites with free GPUs are allowed; the model "
+                              f"has {perf.max_stages(req)} units)", field="spec.parallelism.pipelineStages")
+        return Infeasible(f"{prefix}A pipeline needs 2 or more sites; {len(problem.sites)} with free GPUs "
+                          "are allowed", field="spec.sites.max" if problem.sites_max < 2 else "spec.model")
+    need, stages = min((_largest_stage_gb(req, p), p) for p in counts)  # more stages hold more in flight
+    largest = max(o.memory_gb for o in problem.offers)
+    if 0 < largest < need:
+        return Infeasible(f"{prefix}Cut into {stages} pipeline stages (one per site) its largest stage still "
+                          f"needs {need:.3g} GB per GPU; the largest GPU offered has {largest:g} GB. Choose a "
+                          "smaller model", field="spec.model")
+    stages = counts.stop - 1
+    return Infeasible(f"{prefix}No pipeline of {counts.start}–{stages} stages fits: no chain of that many linked "
+                      f"sites has GPUs that hold each stage within the job's limits (GPUs, deadline, budget)",
+                      field="spec.parallelism.pipelineStages" if req.stages is not None else "spec.model")
+
+
+def _largest_stage_gb(req: JobRequirements, stages: int) -> float:
+    cuts = perf.stage_cuts(req, stages)
+    return max(perf.stage_memory_gb(req, stages, s, perf.micro_batches(req, 1), cuts) for s in range(stages))
