@@ -77,7 +77,7 @@ class AttemptSpec(_Model):
     version: Literal["cpn.attempt/v1"] = CONTRACT_VERSION
     job: str
     job_uid: str | None = Field(default=None, description="the job's uid: a deleted job's name may be reused")
-    attempt: int = Field(ge=1)
+    attempt: int = Field(ge=0, description="1, 2, …; 0 is the job's profile run before quoting (spec.profile)")
     subtask: str
     cluster: str
     site_index: int = Field(ge=0)

@@ -79,6 +79,9 @@ def public(quote: QuoteRow) -> dict[str, Any]:
                   "lines": quote.lines},
         "expiresAt": as_utc(quote.expires_at).isoformat(), "state": quote.state,
         "ring": quote.ring,
+        # modelled: the compute model's estimate; profiled: from the job's own timed steps (spec.profile)
+        "basis": (quote.prediction or {}).get("basis", "modelled"),
+        **({"profile": quote.prediction["profile"]} if "profile" in (quote.prediction or {}) else {}),
         **({"trains": quote.prediction["trains"]} if "trains" in (quote.prediction or {}) else {}),
         # what finished runs taught the compute model (GET /api/v1/calibrations); factor 1: nothing yet
         **({"model": {"stepFactor": round(quote.prediction["stepFactor"], 4),

@@ -304,6 +304,8 @@ class ProfileFigure(CamelModel):
     measured_step_seconds: float = Field(description="Measured seconds per step of the profile run")
     units_per_step: int
     units_per_second: float
+    startup_seconds: float | None = Field(default=None, description=(
+        "The profile run besides its timed steps (claim to end): a floor for the quote's start-up"))
     steps: int = Field(description="Steps the quoted placement runs")
     step_seconds: float = Field(description="Predicted seconds per step on the quoted placement")
 

@@ -52,6 +52,7 @@ class ProfileStatus(CamelModel):
     measured_step_seconds: float | None = None
     measured_steps: int = 0
     units_per_second: float | None = None
+    startup_seconds: float | None = None  # the run besides its timed steps (None: stopped at the cap)
     note: str | None = None
 
 

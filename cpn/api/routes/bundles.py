@@ -76,6 +76,8 @@ async def put_final(request: web.Request) -> web.Response:
         raise errors.Forbidden("only the job's workers store its final weights")
     async with request.app[state.DB].session() as s:
         job = await load_job(s, principal, name)
+    if job.phase == "Profiling":
+        raise errors.Conflict("a profile run's weights are not kept: the job's own run stores its final weights")
     size = await request.app[BLOBS].put(bundles.final_key(job.id), request.content.iter_chunked(1 << 20))
     return json_response({"name": f"{name}:final", "size": size}, status=201)
 

@@ -120,7 +120,7 @@ async def post_metrics(request: web.Request) -> web.Response:
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
         job = await load_job(s, principal, request.match_info["name"], lock=True)
-        if job.phase not in ("Launching", "Running"):
+        if job.phase not in ("Launching", "Running", "Profiling"):
             return json_response({"accepted": 0, "phase": job.phase})
         taken = await metering.ingest(s, job, await contract_of(s, job), body.reports)
     return json_response({"accepted": taken})
@@ -231,6 +231,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
         heartbeat_timeout=timedelta(seconds=settings.heartbeat_timeout_seconds),
         lease_ttl=timedelta(seconds=settings.lease_ttl_seconds),
         claim_timeout=timedelta(seconds=settings.claim_timeout_seconds),
+        quote_ttl=timedelta(seconds=settings.quote_ttl_seconds),
         interval=settings.reconcile_interval_seconds))
     app[RECONCILER] = reconciler
     task = asyncio.create_task(reconciler.run_forever()) if settings.reconcile else None

@@ -80,7 +80,7 @@ def register(registry: KindRegistry, timeouts: workflow.Timeouts, code_exists: C
         verbs=("list",), custom_path="/api/v1/jobs/{parent}/quotes", generic_routes=False,
         columns=(Column("CHOSEN", "{chosen}"), Column("STRATEGY", "{strategy}"),
                  Column("PLACEMENT", "{placementSummary}"), Column("GPUS", "{gpus}"),
-                 Column("TIME", "{predictedDuration}"), Column("WAN GB", "{wanGB}"),
+                 Column("TIME", "{predictedDuration}"), Column("BASIS", "{basis}"), Column("WAN GB", "{wanGB}"),
                  Column("PRICE", "{price.total} {price.currency}"), Column("STATE", "{state}"),
                  Column("NOTE", "{note}"),
                  Column("ID", "{id}", wide=True), Column("EXPIRES", "{expiresAt}", wide=True))))

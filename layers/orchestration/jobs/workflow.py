@@ -17,7 +17,7 @@ from cpn.core.settings import Settings
 from cpn.core.store import split_key
 from layers.control import capacity
 from layers.orchestration.events import record_event
-from layers.orchestration.jobs import data
+from layers.orchestration.jobs import data, profile
 from layers.orchestration.jobs.requirements import objective, planner_inputs, prediction_dict, requirements
 from layers.orchestration.lifecycle import learning
 from layers.orchestration.lifecycle.plan import attempt_plan, budget_note
@@ -29,6 +29,7 @@ from layers.service.contracts import Accepted, QuoteUnavailable, accept
 from layers.service.jobs import DRAFT_PHASES, JobStore, load_job, set_phase
 from layers.service.models import JobRow, QuoteRow
 from layers.service.schemas import TrainingJobSpec, pricing_only_reason
+from layers.service.status import ProfileStatus, status_of
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,10 @@ async def submit(session: AsyncSession, principal: Principal, body: Any, idempot
     job = await store.load(session, principal, manifest["metadata"]["name"])
     job.idempotency_key = idempotency_key
     await record_event(session, job.name, "Normal", "Submitted", f"submitted by {principal.name}")
+    if TrainingJobSpec.model_validate(job.spec).profile:  # quoted once its own steps are timed (profile.py)
+        await start_profile(session, job, t)
+        await session.flush()
+        return store.to_manifest(principal, job), True
     await requote(session, job, t)
     await session.flush()
     return store.to_manifest(principal, job), True
@@ -77,7 +82,7 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
     """Plan the job against live capacity and store fresh quotes; the job becomes Quoted."""
     now = now or datetime.now(UTC)
     saved = await price_options(session, TrainingJobSpec.model_validate(job.spec), t, now, job_id=job.id,
-                                owner=(job.owner_id, split_key(job.name)[0] or ""))
+                                owner=(job.owner_id, split_key(job.name)[0] or ""), profiled=status_of(job).profile)
     await quotes_mod.supersede_open(session, job)
     session.add_all(saved)
     await session.flush()
@@ -89,12 +94,14 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
 
 
 async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeouts, now: datetime,
-                        job_id: str | None = None, owner: tuple[str, str] | None = None) -> list[QuoteRow]:
+                        job_id: str | None = None, owner: tuple[str, str] | None = None,
+                        profiled: ProfileStatus | None = None) -> list[QuoteRow]:
     """Cheapest / fastest / balanced plans against live capacity, priced; the rows are not stored.
-    `owner` (account id, namespace) resolves spec.dataset."""
+    `owner` (account id, namespace) resolves spec.dataset; a measured `profiled` run (spec.profile)
+    prices the compute from the job's own steps, and the quotes' basis says so."""
     need = await data.need(session, *owner, spec.dataset) if owner is not None else None
     req = replace(requirements(spec, now), learned=await learning.load(session),  # what finished runs taught
-                  data=need)
+                  data=need, profiled=profile.profiled(profiled))
     pool_offers, links, _ = await capacity.snapshot(session, t.heartbeat, now)
     offers, wan = planner_inputs(pool_offers, links, spec.currency)
     plans = placement.quote_options(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
@@ -121,14 +128,24 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
         trains = {} if train is None else {"trains": {"tokens": train["tokens"],
                                                       "globalBatchTokens": train["global_batch_tokens"],
                                                       "note": budget_note(spec, train)}}
+        basis = {"basis": "modelled"} if req.profiled is None or profiled is None else {
+            "basis": "profiled", "profile": profile.figure(profiled, pred.steps, pred.step_seconds)}
         rows.append(quotes_mod.new_quote(
             job_id, label, placement=placement_lines, strategy=plan.strategy, ring=plan.ring,
-            prediction={**prediction_dict(pred), **trains, "dataSeconds": pred.data_seconds,
+            prediction={**prediction_dict(pred), **trains, **basis, "dataSeconds": pred.data_seconds,
                         "dataTransfer": data.lines_info(pred.data_moves)}, predicted_seconds=pred.total_seconds, wan_gb=pred.wan_bytes / 1e9,
             lines=lines, total=pricing.total(lines), currency=spec.currency, ttl=t.quote_ttl, now=now))
     if not rows and refused:
         raise errors.Infeasible("no placement can run: " + "; ".join(refused), field=_field_of(refused[0]))
     return rows
+
+
+async def start_profile(session: AsyncSession, job: JobRow, t: Timeouts) -> None:
+    """spec.profile: price the job as modelled to find where to time it, then start its profile run
+    (layers/orchestration/jobs/profile.py); the reconciler quotes it from the measured steps."""
+    spec = TrainingJobSpec.model_validate(job.spec)
+    rows = await price_options(session, spec, t, datetime.now(UTC), owner=(job.owner_id, split_key(job.name)[0] or ""))
+    await profile.start(session, job, spec, rows, heartbeat_timeout=t.heartbeat, lease_ttl=t.lease_ttl)
 
 
 def _transfers(plan: Any) -> list[tuple[str, float, Decimal]]:

@@ -17,10 +17,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
 from cpn.core.db import Database, as_utc
-from cpn.core.phases import JOB_ACTIVE, NEVER_CLAIMED, NEVER_STARTED, NOT_LAUNCHED, SUBTASK_DONE
+from cpn.core.phases import JOB_ACTIVE, NEVER_CLAIMED, NEVER_STARTED, NOT_LAUNCHED, SUBTASK_DONE, JobPhase
+from cpn.core.settings import Settings
 from layers.control import leases
 from layers.orchestration.events import record_event
 from layers.orchestration.identity.tokens import revoke_job_tokens
+from layers.orchestration.jobs import profile, workflow
 from layers.orchestration.lifecycle import learning, metering
 from layers.orchestration.lifecycle.leader import Leadership
 from layers.orchestration.lifecycle.models import SubtaskRow
@@ -37,6 +39,7 @@ from layers.service.schemas import TrainingJobSpec
 
 log = logging.getLogger("cpn.reconciler")
 ACTIVE = JOB_ACTIVE
+DRIVEN = (*JOB_ACTIVE, JobPhase.PROFILING)  # the phases a pass looks at: the active ones and spec.profile's run
 DONE = SUBTASK_DONE
 MAX_ATTEMPTS = 3
 MAX_STRIKES = 3  # a job whose pass raises this many times in a row fails alone
@@ -48,6 +51,11 @@ class ReconcilerConfig:
     lease_ttl: timedelta
     claim_timeout: timedelta = timedelta(seconds=120)
     interval: float = 1.0
+    # how long the quotes a finished profile run brings stay open (spec.profile)
+    quote_ttl: timedelta = timedelta(seconds=Settings.model_fields["quote_ttl_seconds"].default)
+
+    def timeouts(self) -> workflow.Timeouts:
+        return workflow.Timeouts(heartbeat=self.heartbeat_timeout, quote_ttl=self.quote_ttl, lease_ttl=self.lease_ttl)
 
 
 class Reconciler:
@@ -75,7 +83,7 @@ class Reconciler:
                 row = (await s.execute(select(JobRow).where(JobRow.name == job))).scalar_one_or_none()
                 if row is not None and row.phase == "Reserved":
                     await self._finish(s, row, "Failed", "LeaseExpired", "the job did not start before its leases expired")
-            names = list((await s.execute(select(JobRow.name).where(JobRow.phase.in_(ACTIVE)))).scalars())
+            names = list((await s.execute(select(JobRow.name).where(JobRow.phase.in_(DRIVEN)))).scalars())
         for name in names:
             await self.reconcile_job(name)
 
@@ -85,7 +93,7 @@ class Reconciler:
         try:
             async with self.db.serialized(), self.db.session() as s:
                 job = (await s.execute(select(JobRow).where(JobRow.name == name).with_for_update())).scalar_one()
-                if job.phase in ACTIVE:
+                if job.phase in DRIVEN:
                     await self.step(s, job)
         except (errors.StaleVersion, errors.Unavailable) as exc:  # a concurrent writer won: next pass
             log.info("reconciling job %s deferred: %s", name, exc.message)
@@ -102,18 +110,52 @@ class Reconciler:
         try:
             async with self.db.serialized(), self.db.session() as s:
                 job = (await s.execute(select(JobRow).where(JobRow.name == name).with_for_update())).scalar_one()
-                if job.phase in ACTIVE:
+                if job.phase in DRIVEN:
                     await self._finish(s, job, "Failed", "ReconcileError", f"the job could not be run: {cause}")
         except Exception:  # noqa: BLE001 - never let one job stop the loop
             log.exception("could not fail job %s", name)
 
     async def step(self, s: AsyncSession, job: JobRow) -> None:
+        if job.phase == JobPhase.PROFILING:
+            await self._profile(s, job)
+            return
         if job.phase == "Reserved":
             await self._prepare_attempt(s, job)
             if job.phase not in ACTIVE:  # the attempt could not be prepared: the job has failed
                 return
         subtasks = await self._subtasks(s, job)
         await self._apply_states(s, job, subtasks, await self._observe(s, job, subtasks))
+
+    # ---------------------------------------------------------------- spec.profile
+    async def _profile(self, s: AsyncSession, job: JobRow) -> None:
+        """The profile run (attempt 0, one sub-task): watch it like any attempt; when it is over, measure
+        it and quote the job from the measurement; when it failed, the job fails with the reason."""
+        subtasks = await self._subtasks(s, job)
+        for t in subtasks:
+            state = (await self._observe(s, job, [t])).get(t.name)
+            if state is not None and state.phase != t.phase:
+                old, t.phase, t.message = t.phase, state.phase, state.message or t.message
+                t.exit_codes = {**(t.exit_codes or {}), **state.exit_codes}
+                if state.phase in DONE:
+                    t.finished_at = datetime.now(UTC)
+                await record_event(s, job.name, "Warning" if state.phase in ("Failed", "Lost") else "Normal",
+                                   f"Subtask{state.phase}", f"{t.name} (profile): {old} → {state.phase} "
+                                   f"{state.message}".strip(), subtask=t.name)
+        verdict = profile.verdict(subtasks)
+        if verdict.failure is not None:
+            await self._finish(s, job, "Failed", "ProfileFailed", verdict.failure)
+            return
+        if not verdict.done:
+            return
+        await self._stop_subtasks(s, job)  # a run stopped at the cap: its agent is told to stop it
+        try:
+            await profile.record(s, job, subtasks, capped=verdict.capped)
+            await revoke_job_tokens(s, job.name)
+            await workflow.requote(s, job, self.cfg.timeouts())
+        except profile.ProfileFailed as exc:
+            await self._finish(s, job, "Failed", "ProfileFailed", exc.message)
+        except errors.CPNError as exc:
+            await self._finish(s, job, "Failed", "NoFeasiblePlacement", f"profiled, but no quote: {exc.message}")
 
     # ---------------------------------------------------------------- attempts
     async def _prepare_attempt(self, s: AsyncSession, job: JobRow) -> None:
@@ -297,7 +339,7 @@ class Reconciler:
 
     async def _stop_subtasks(self, s: AsyncSession, job: JobRow) -> None:
         """Desired state Stop for every live sub-task; those no agent claimed yet end here."""
-        if not job.status.get("attempt"):
+        if job.status.get("attempt") is None:  # no attempt yet (0: the profile run)
             return
         for t in await self._subtasks(s, job):
             if t.phase in DONE:

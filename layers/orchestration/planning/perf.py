@@ -366,7 +366,8 @@ def _learned(req: JobRequirements, strategy: str, used: list[Assignment],
     """(step factor, start-up seconds) that finished runs of this GPU model (the placement's most
     numerous), strategy and workload taught; before any, factor 1 and the start-up other runs on this
     GPU model measured, else :data:`STARTUP_BY_DRIVER` of the placement's slowest driver. A profiled
-    job's steps were measured (:func:`profile_factor`): its factor is 1."""
+    job's steps were measured (:func:`profile_factor`): its factor is 1, and its start-up at least
+    what its profile run took besides the timed steps."""
     gpus: dict[str, int] = {}
     for a in used:
         model = offers[a.cluster].gpu_model
@@ -374,11 +375,20 @@ def _learned(req: JobRequirements, strategy: str, used: list[Assignment],
     model = max(sorted(gpus), key=gpus.__getitem__)
     lesson = req.learned.lookup(model, strategy, req.workload)
     if lesson is not None:
-        return 1.0 if req.profiled is not None else lesson.step_factor, lesson.startup_seconds
+        if req.profiled is not None:
+            return 1.0, _profiled_startup(req, lesson.startup_seconds)
+        return lesson.step_factor, lesson.startup_seconds
     startup = req.learned.startup(model)
     if startup is None:  # the slowest site to start holds up the rendezvous
         startup = max(STARTUP_BY_DRIVER.get(offers[a.cluster].driver, STARTUP_SECONDS) for a in used)
-    return 1.0, startup
+    return 1.0, _profiled_startup(req, startup)
+
+
+def _profiled_startup(req: JobRequirements, startup: float) -> float:
+    """A profiled job starts no faster than its profile run did (fetching its code, loading its data,
+    its first step, its last evaluation), nor than the sites' own start-up."""
+    measured = req.profiled.startup_seconds if req.profiled is not None else None
+    return startup if measured is None else max(startup, measured)
 
 
 def _wan(ring: list[str], index: dict[Key, WanLink]) -> tuple[float, float, list[Key]]:

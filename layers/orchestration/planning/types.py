@@ -107,7 +107,8 @@ class DataMove:
 class Profiled:
     """The job's own steps, timed at one site before quoting (spec.profile): ``step_seconds`` per step
     of ``units_per_step`` units on ``gpus`` GPUs of ``gpu_model`` (peak ``tflops`` each, one site whose
-    GPUs all-reduce at ``intra_gbps``)."""
+    GPUs all-reduce at ``intra_gbps``); ``startup_seconds``: the rest of that run, from the agent's
+    claim to its end less the timed steps (None when it was stopped at the cap)."""
 
     gpu_model: str
     tflops: float
@@ -115,6 +116,7 @@ class Profiled:
     intra_gbps: float
     units_per_step: int
     step_seconds: float
+    startup_seconds: float | None = None  # the rest of the profile run: claim to end less its timed steps
 
 
 @dataclass(frozen=True)
