@@ -52,6 +52,7 @@ hops (each site → its successor) and billed at that link's price per GB (10⁹
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -67,6 +68,7 @@ from layers.orchestration.planning.types import (
     Assignment,
     ClusterOffer,
     JobRequirements,
+    ModelShape,
     Prediction,
     WanLink,
 )
@@ -446,15 +448,20 @@ def max_stages(req: JobRequirements) -> int:
 def stage_cuts(req: JobRequirements, stages: int) -> list[tuple[float, float]]:
     """(parameters, share of the blocks) of each of ``stages`` stages, cut as the runtime cuts
     (:func:`cpn.runtime.stages.partition`: contiguous, the largest stage as small as possible)."""
+    return list(_cuts(req.model, stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _cuts(model: ModelShape, stages: int) -> tuple[tuple[float, float], ...]:
     from cpn.runtime.stages import partition
 
-    sizes = _units(req)
+    sizes = _units(JobRequirements(model=model, tokens=1, global_batch_tokens=1))
     layers = len(sizes) - 2
     out = []
     for start, end in partition([round(x) for x in sizes], stages):
         blocks = sum(1 for u in range(start, end) if 0 < u <= layers)
         out.append((sum(sizes[start:end]), blocks / layers))
-    return out
+    return tuple(out)
 
 
 def micro_batches(req: JobRequirements, width: int) -> int:
