@@ -36,6 +36,12 @@ collective rather than per slice, no codec CPU time, no Ethernet framing (so the
 ``tests/layers/orchestration/test_perf.py`` checks the ratio against the runtime's model). Egress is
 counted on the links each level uses.
 
+Pipeline (``predict_pipeline``): the model cut into P stages, one per site (the runtime's
+``pipeline``), W GPUs per stage; per step (M + P − 1)/M · max(slowest stage compute, slowest cut's
+activation transfer) + the tied token table's exchange between the first and last stage + the
+slowest stage's intra-site all-reduce; ``stage_memory_gb`` is what one GPU of a stage must hold.
+``comm_seconds_per_step`` is then the step less the slowest stage's compute (bubble included).
+
 Knobs the job's spec leaves unset (H, compression, overlap: ``req.autotuned``) are priced as the
 runtime will run them: :func:`autotuned` asks :func:`cpn.runtime.autotune.choose` for this placement.
 
