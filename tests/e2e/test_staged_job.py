@@ -35,6 +35,10 @@ def test_a_model_too_big_for_one_site_runs_as_a_pipeline_to_succeeded(db_url: st
         balanced = next(q for q in quotes if q["label"] == "balanced")
         stages = sorted(balanced["placement"], key=lambda p: p["stage"])
         assert [p["stage"] for p in stages] == list(range(len(stages))) and len(stages) >= 2, stages
+        table = w.server.cpnctl("--server", w.server.url, "--token", w.user, "get", "quotes", "staged",
+                                check=True).stdout
+        row = next(line for line in table.splitlines() if line.startswith("balanced"))
+        assert "s0:1xCPU@" + stages[0]["site"] in row and ">s1:" in row, table  # cpnctl shows the stages
         w.call(w.user, "POST", "/api/v1/jobs/staged/accept", {"quote": "balanced"})
         job = w.wait("staged", timeout=600)
         assert job["status"]["phase"] == "Succeeded", job["status"]
