@@ -130,24 +130,25 @@ class Database:
                     raise errors.Conflict("concurrent update; retry the request") from exc
                 raise
 
-    async def read_row(self, stmt: Any) -> Any:
+    async def read_row(self, stmt: Any, params: dict[str, Any] | None = None) -> Any:
         """The first row of one read-only statement, outside a transaction (autocommit: one round trip
-        instead of BEGIN + statement + COMMIT), through the same admission gate as sessions."""
-        return await self._autocommit(stmt, lambda result: result.first())
+        instead of BEGIN + statement + COMMIT), through the same admission gate as sessions. `params`:
+        values of its bind parameters (a statement built once and run with new values is cheaper)."""
+        return await self._autocommit(stmt, lambda result: result.first(), params)
 
-    async def write_returning(self, stmt: Any) -> Any:
+    async def write_returning(self, stmt: Any, params: dict[str, Any] | None = None) -> Any:
         """The first row a one-statement write returns (None: it wrote nothing), in autocommit."""
-        return await self._autocommit(stmt, lambda result: result.first())
+        return await self._autocommit(stmt, lambda result: result.first(), params)
 
-    async def write_once(self, stmt: Any) -> None:
+    async def write_once(self, stmt: Any, params: dict[str, Any] | None = None) -> None:
         """One statement that is a whole transaction by itself (an INSERT of one row), in autocommit."""
-        await self._autocommit(stmt, lambda result: None)
+        await self._autocommit(stmt, lambda result: None, params)
 
-    async def _autocommit(self, stmt: Any, take: Any) -> Any:
+    async def _autocommit(self, stmt: Any, take: Any, params: dict[str, Any] | None = None) -> Any:
         async with self._gate, self.engine.connect() as conn:
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             try:
-                return take(await conn.execute(stmt))
+                return take(await conn.execute(stmt, params))
             except DBAPIError as exc:
                 if exc.connection_invalidated:
                     raise errors.Unavailable("the connection to the database was lost (did it restart?); "

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 from datetime import datetime
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import ForeignKey, String, select
+from sqlalchemy import ForeignKey, String, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 
@@ -192,6 +193,13 @@ def validate(model: type[BaseModel], body: Any) -> BaseModel:
         raise errors.from_validation_error(exc) from exc
 
 
+
+@functools.cache  # one statement per (row class, lock), run with each name: cheaper than building it per call
+def _by_name(row: Any, lock: bool) -> Any:
+    stmt = select(row).where(row.name == bindparam("row_name"))
+    return stmt.with_for_update() if lock else stmt
+
+
 class ResourceStore:
     """CRUD over one manifest table. Subclasses set `row`, `manifest`, `kind` and hooks."""
 
@@ -248,10 +256,7 @@ class ResourceStore:
     async def find(self, session: AsyncSession, name: str, *, lock: bool = False) -> ResourceRow | None:
         if is_retired(name):
             return None
-        stmt = select(self.row).where(self.row.name == name)
-        if lock:
-            stmt = stmt.with_for_update()
-        return (await session.execute(stmt)).scalar_one_or_none()
+        return (await session.execute(_by_name(self.row, lock), {"row_name": name})).scalar_one_or_none()
 
     async def resolve(self, session: AsyncSession, principal: Principal, name: str,
                       *, lock: bool = False) -> ResourceRow | None:
@@ -311,6 +316,12 @@ class ResourceStore:
             raise errors.Forbidden(f"{self.kind} {row.name!r} belongs to another account")
 
     async def create(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
+        return self.to_manifest(principal, await self.create_row(session, principal, body))
+
+    async def create_row(self, session: AsyncSession, principal: Principal, body: Any, *,
+                         flush: bool = True) -> ResourceRow:
+        """`create`, returning the row; with flush=False it is only added to the session (written with
+        the transaction's next flush, together with what else the caller adds)."""
         obj = self.parse(body)
         self.authorize_write(principal, None)
         key = self.key(principal, obj.metadata.name, self.own_namespace(principal, obj))
@@ -321,8 +332,9 @@ class ResourceStore:
         self._fill(row, obj, refs)
         row.status = self.initial_status(obj)
         session.add(row)
-        await session.flush()
-        return self.to_manifest(principal, row)
+        if flush:
+            await session.flush()
+        return row
 
     async def replace(self, session: AsyncSession, principal: Principal, name: str, body: Any,
                       *, check_version: bool = True) -> dict[str, Any]:

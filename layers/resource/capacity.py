@@ -172,13 +172,28 @@ def _stamp_of(row: Any, tag: str) -> Any:
 
 
 async def _stored_catalogue(session: AsyncSession) -> _Catalogue:
-    stamps = await session.execute(union_all(_stamp_of(ClusterRow, "c"), _stamp_of(SiteRow, "s"),
-                                             _stamp_of(LinkRow, "l")))
-    stamp = tuple(sorted((r[0], r[1], as_utc(r[2]), int(r[3])) for r in stamps.all()))
+    return (await stored_catalogue(session))[0]
+
+
+CATALOGUE_TAGS = ("c", "s", "l")  # the stamp rows of clusters, sites and links
+_stamp_queries: dict[tuple[Any, ...], Any] = {}
+
+
+async def stored_catalogue(session: AsyncSession, also: tuple[Any, ...] = ()) -> tuple[_Catalogue, list[Any]]:
+    """The catalogue as stored (the same object while nothing changed), and the rows of `also`: more
+    selects of the stamp's shape (tag, count, timestamp, number; tags other than c/s/l) that callers
+    above this layer send in the same round trip (lease sums, their own stamps)."""
+    stmt = _stamp_queries.get(also)
+    if stmt is None:  # built once per distinct `also` (callers pass the same statement objects)
+        stmt = _stamp_queries[also] = union_all(_stamp_of(ClusterRow, "c"), _stamp_of(SiteRow, "s"),
+                                                _stamp_of(LinkRow, "l"), *also)
+    stamps = (await session.execute(stmt)).all()
+    stamp = tuple(sorted((r[0], r[1], as_utc(r[2]), int(r[3])) for r in stamps if r[0] in CATALOGUE_TAGS))
+    extra = [r for r in stamps if r[0] not in CATALOGUE_TAGS]
     where = str(session.get_bind().url)
     held = _catalogues.get(where)
     if held is not None and held.stamp == stamp:
-        return held
+        return held, extra
     rows = (await session.execute(select(ClusterRow, SiteRow).join(SiteRow, SiteRow.id == ClusterRow.site_id)
                                   .where(ClusterRow.name.not_like(f"{RETIRED}%"))  # retired: no new work
                                   .order_by(ClusterRow.name))).all()
@@ -190,4 +205,4 @@ async def _stored_catalogue(session: AsyncSession) -> _Catalogue:
                            rtt_ms=float(r.spec["rttMs"]), price_per_gb=str(r.spec["pricePerGB"]), owner_id=r.owner_id)
                   for r in (await session.execute(select(LinkRow).order_by(LinkRow.name))).scalars())
     _catalogues[where] = held = _Catalogue(stamp, clusters, links)
-    return held
+    return held, extra

@@ -21,11 +21,15 @@ async def record(session: AsyncSession, principal: Principal | None, method: str
 
 async def write(db: Database, principal: Principal | None, method: str, path: str, status: int, result: str,
                 request_id: str | None) -> None:
-    """`record` as a transaction of its own: one INSERT in autocommit, one round trip."""
-    await db.write_once(insert(AuditRecord).values(
+    """`record` as a transaction of its own: one INSERT in autocommit, one round trip (one statement
+    object, run with each request's values)."""
+    await db.write_once(_INSERT, dict(
         account_id=principal.account_id if principal else None,
         account_name=principal.name if principal else None,
         method=method, path=path[:512], status=status, result=result, request_id=request_id))
+
+
+_INSERT = insert(AuditRecord)
 
 
 async def recent(session: AsyncSession, principal: Principal, limit: int = 100) -> list[AuditRecord]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from sqlalchemy import func
+from sqlalchemy import bindparam, func
 from sqlalchemy.dialects.postgresql import insert
 
 from cpn.core.db import Database
@@ -51,18 +51,19 @@ class SharedRateLimiter:
         self.db = db
         self.interval = 60.0 / per_minute  # T: seconds one request uses up
         self.burst = float(per_minute) * self.interval  # how far ahead of now `tat` may run
-
-    async def allow(self, key: str) -> bool:
+        # built once, run with each key (building it per request cost more than running it)
         now = func.extract("epoch", func.now())  # in autocommit: this statement's start, one value throughout
         start = func.greatest(RateBucket.__table__.c.tat, now)
-        stmt = insert(RateBucket).values(key=key[:64], tat=now + self.interval)
-        stmt = stmt.on_conflict_do_update(
+        stmt = insert(RateBucket).values(key=bindparam("bucket_key"), tat=now + self.interval)
+        self.stmt = stmt.on_conflict_do_update(
             index_elements=[RateBucket.key],
             set_={"tat": start + self.interval, "updated_at": func.now(),
                   "resource_version": RateBucket.__table__.c.resource_version + 1},
             where=start + self.interval - now <= self.burst,
         ).returning(RateBucket.tat)
-        return await self.db.write_returning(stmt) is not None
+
+    async def allow(self, key: str) -> bool:
+        return await self.db.write_returning(self.stmt, {"bucket_key": key[:64]}) is not None
 
 
 def limiter_for(db: Database, per_minute: int) -> RateLimiter:

@@ -11,6 +11,7 @@ holds at every replica sharing the database from the next request on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import secrets
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
@@ -205,12 +206,13 @@ async def _verify(session: AsyncSession, token: str) -> Principal:
 async def _still_valid(session: AsyncSession, principal: Principal) -> None:
     """A cached verification skips the KDF, not the database: revocation, expiry and a disabled account
     take effect on the next request, at every replica sharing the database (one primary-key read)."""
-    _check_still_valid((await session.execute(_validity(principal))).first())
+    _check_still_valid((await session.execute(_validity(), {"token_id": principal.token_id})).first())
 
 
-def _validity(principal: Principal) -> Any:
+@functools.cache  # built once, run with each token's id
+def _validity() -> Any:
     return (select(Token.revoked, Token.expires_at, Account.disabled).join(Account, Account.id == Token.account_id)
-            .where(Token.id == principal.token_id))
+            .where(Token.id == bindparam("token_id")))
 
 
 def _check_still_valid(row: Any) -> None:
@@ -227,7 +229,7 @@ async def authenticate_request(db: Database, header: str | None) -> Principal:
     row is still read every time, so revocation holds across replicas from the next request on."""
     hit = _cache.get(_digest(header)) if header and header.startswith("Bearer ") else None
     if hit and hit[0] > time.monotonic():
-        _check_still_valid(await db.read_row(_validity(hit[1])))
+        _check_still_valid(await db.read_row(_validity(), {"token_id": hit[1].token_id}))
         return hit[1]
     async with db.session() as session:
         return await authenticate(session, header)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from layers.control.capacity import PoolOffer
+from layers.control.capacity import OfferSet, PoolOffer
 from layers.orchestration.planning.types import (
     ClusterOffer,
     JobRequirements,
@@ -58,6 +58,29 @@ def planner_inputs(offers: list[PoolOffer], links: list[LinkView], currency: str
     wan = [WanLink(a=ln.a, b=ln.b, bandwidth_gbps=ln.bandwidth_gbps, rtt_ms=ln.rtt_ms,
                    price_per_gb=Decimal(ln.price_per_gb)) for ln in links]
     return cluster_offers, wan
+
+
+class Frozen(tuple):  # type: ignore[type-arg]
+    """A tuple that hashes its items once: an offer set's planner inputs are a key of the plan memo on
+    every quote, and hashing ~200 offers each time cost more than looking the plans up."""
+
+    def __hash__(self) -> int:
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            self.__dict__["_hash"] = h = super().__hash__()
+            return h
+
+
+def planner_inputs_of(found: OfferSet, currency: str) -> tuple[tuple[ClusterOffer, ...], tuple[WanLink, ...]]:
+    """`planner_inputs` of an offer set, computed once per (offer set, currency) and shared: the
+    same objects on every call while the offer set stands (read-only: frozen values)."""
+    key = ("planner_inputs", currency)
+    held = found.derived.get(key)
+    if held is None:
+        offers, wan = planner_inputs(list(found.offers), list(found.links), currency)
+        held = found.derived[key] = (Frozen(offers), Frozen(wan))
+    return held
 
 
 def prediction_dict(pred: Any) -> dict[str, Any]:

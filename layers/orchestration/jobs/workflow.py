@@ -7,18 +7,18 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
-from cpn.core.db import Database
+from cpn.core.db import Database, new_uid
 from cpn.core.principal import Principal
 from cpn.core.settings import Settings
 from cpn.core.store import split_key
 from layers.control import capacity
 from layers.orchestration.events import record_event
 from layers.orchestration.jobs import data, profile
-from layers.orchestration.jobs.requirements import objective, planner_inputs, prediction_dict, requirements
+from layers.orchestration.jobs.requirements import objective, planner_inputs_of, prediction_dict, requirements
 from layers.orchestration.lifecycle import learning
 from layers.orchestration.lifecycle.plan import attempt_plan, budget_note
 from layers.orchestration.planning import placement
@@ -59,33 +59,42 @@ async def submit(session: AsyncSession, principal: Principal, body: Any, idempot
     same job (and False: not created)."""
     store = JobStore()
     if idempotency_key:
-        found = (await session.execute(select(JobRow).where(JobRow.owner_id == principal.account_id,
-                                                            JobRow.idempotency_key == idempotency_key))
+        found = (await session.execute(_BY_IDEMPOTENCY_KEY, {"owner": principal.account_id, "key": idempotency_key})
                  ).scalar_one_or_none()
         if found is not None:
             return store.to_manifest(principal, found), False
-    manifest = await store.create(session, principal, body)
-    job = await store.load(session, principal, manifest["metadata"]["name"])
+    # The job, its events and its quotes are written together by one flush at the end (an INSERT per
+    # table, many rows each) instead of an INSERT, a re-read and UPDATEs along the way.
+    job: JobRow = await store.create_row(session, principal, body, flush=False)  # type: ignore[assignment]
+    job.id = new_uid()  # the quotes name it before it is written
     job.idempotency_key = idempotency_key
     await record_event(session, job.name, "Normal", "Submitted", f"submitted by {principal.name}")
     if TrainingJobSpec.model_validate(job.spec).profile:  # quoted once its own steps are timed (profile.py)
         await start_profile(session, job, t)
         await session.flush()
         return store.to_manifest(principal, job), True
-    await requote(session, job, t)
+    with session.no_autoflush:
+        await requote(session, job, t, fresh=True)
     await session.flush()
     return store.to_manifest(principal, job), True
 
 
-async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime | None = None
-                  ) -> list[dict[str, Any]]:
-    """Plan the job against live capacity and store fresh quotes; the job becomes Quoted."""
+_BY_IDEMPOTENCY_KEY = select(JobRow).where(JobRow.owner_id == bindparam("owner"),  # built once
+                                           JobRow.idempotency_key == bindparam("key"))
+
+
+async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime | None = None, *,
+                  fresh: bool = False) -> list[dict[str, Any]]:
+    """Plan the job against live capacity and store fresh quotes; the job becomes Quoted. `fresh`: the
+    job is being created in this transaction (it has no quotes to supersede; the caller flushes)."""
     now = now or datetime.now(UTC)
     saved = await price_options(session, TrainingJobSpec.model_validate(job.spec), t, now, job_id=job.id,
                                 owner=(job.owner_id, split_key(job.name)[0] or ""), profiled=status_of(job).profile)
-    await quotes_mod.supersede_open(session, job)
+    if not fresh:
+        await quotes_mod.supersede_open(session, job)
     session.add_all(saved)
-    await session.flush()
+    if not fresh:
+        await session.flush()
     if job.phase != "Quoted":
         previous = set_phase(job, "Quoted", "Quoted", f"{len(saved)} quote(s) offered", now)
         await record_event(session, job.name, "Normal", "Quoted",
@@ -100,17 +109,14 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
     `owner` (account id, namespace) resolves spec.dataset; a measured `profiled` run (spec.profile)
     prices the compute from the job's own steps, and the quotes' basis says so."""
     need = await data.need(session, *owner, spec.dataset) if owner is not None else None
-    req = replace(requirements(spec, now), learned=await learning.load(session),  # what finished runs taught
-                  data=need, profiled=profile.profiled(profiled))
-    pool_offers, links, _ = await capacity.snapshot(session, t.heartbeat, now)
-    offers, wan = planner_inputs(pool_offers, links, spec.currency)
+    # one round trip: the catalogue's stamp, the active leases and the calibrations' stamp
+    market = await capacity.offer_set(session, t.heartbeat, now, also=(learning.stamp(),))
+    learned = await learning.load_at(session, market.extra[0])  # what finished runs taught
+    req = replace(requirements(spec, now), learned=learned, data=need, profiled=profile.profiled(profiled))
+    offers, wan = planner_inputs_of(market, spec.currency)
+    links = market.links
     plans = placement.quote_options(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
-    region_of = {o.name: o.region for o in offers}
-    sellers = {o.offer: pricing.Seller(provider=o.provider, provider_account_id=o.owner_id, site=o.site,
-                                       price_per_gpu_hour=o.price_per_gpu_hour, currency=o.currency)
-               for o in pool_offers}
-    link_prices = {frozenset((ln.a, ln.b)): Decimal(ln.price_per_gb) for ln in links}
-    link_owners = {frozenset((ln.a, ln.b)): ln.owner_id for ln in links}
+    region_of, sellers, link_prices, link_owners = _pricing_inputs(market)
     rows, refused = [], []
     for label, plan in plans.items():
         pred = plan.prediction
@@ -138,6 +144,21 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
     if not rows and refused:
         raise errors.Infeasible("no placement can run: " + "; ".join(refused), field=_field_of(refused[0]))
     return rows
+
+
+def _pricing_inputs(market: capacity.OfferSet) -> tuple[dict[str, str], dict[str, pricing.Seller],
+                                                         dict[frozenset[str], Decimal], dict[frozenset[str], str]]:
+    """(region of each offer, its seller, price and owner of each link): once per offer set (read-only)."""
+    held = market.derived.get("pricing_inputs")
+    if held is None:
+        region_of = {o.offer: o.region for o in market.offers}
+        sellers = {o.offer: pricing.Seller(provider=o.provider, provider_account_id=o.owner_id, site=o.site,
+                                           price_per_gpu_hour=o.price_per_gpu_hour, currency=o.currency)
+                   for o in market.offers}
+        link_prices = {frozenset((ln.a, ln.b)): Decimal(ln.price_per_gb) for ln in market.links}
+        link_owners = {frozenset((ln.a, ln.b)): ln.owner_id for ln in market.links}
+        held = market.derived["pricing_inputs"] = (region_of, sellers, link_prices, link_owners)
+    return held
 
 
 async def start_profile(session: AsyncSession, job: JobRow, t: Timeouts) -> None:

@@ -17,11 +17,14 @@ and therefore price — and say so (``stepFactor``, ``startupSeconds`` in the qu
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, literal, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from cpn.core.db import as_utc
 from layers.orchestration.lifecycle.models import CalibrationRow
 from layers.orchestration.planning.types import Learned, Lesson, workload_of
 from layers.service.models import JobRow, QuoteRow
@@ -34,6 +37,32 @@ async def load(session: AsyncSession) -> Learned:
     rows = (await session.execute(select(CalibrationRow))).scalars()
     return Learned(tuple(Lesson(r.gpu_model, r.strategy, r.workload, r.step_factor, r.startup_seconds, r.samples)
                          for r in rows))
+
+
+STAMP_TAG = "calibrations"
+
+
+@functools.cache  # one statement object, so the stamp query it joins is built once
+def stamp() -> Any:
+    """The calibrations' stamp (count, latest `updated_at`, sum of versions: every write moves one) in
+    the shape of the catalogue's stamp rows, so a quote reads it in the catalogue's round trip."""
+    return select(literal(STAMP_TAG), func.count(), func.max(CalibrationRow.updated_at),
+                  func.coalesce(func.sum(CalibrationRow.resource_version), 0))
+
+
+_loaded: dict[str, tuple[tuple[Any, ...], Learned]] = {}  # database URL → (stamp, what was loaded under it)
+
+
+async def load_at(session: AsyncSession, stamped: Any) -> Learned:
+    """`load`, from this process's copy while the stamp row `stamped` (of :func:`stamp`) is unchanged."""
+    key = (int(stamped[1]), as_utc(stamped[2]), int(stamped[3]))
+    where = str(session.get_bind().url)
+    held = _loaded.get(where)
+    if held is not None and held[0] == key:
+        return held[1]
+    learned = await load(session)
+    _loaded[where] = (key, learned)
+    return learned
 
 
 def _seconds(times: dict[str, str], a: str, b: str) -> float | None:

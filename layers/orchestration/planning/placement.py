@@ -243,7 +243,8 @@ def quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list[
     submissions of the same job against the same live capacity pays for one planning, and every
     caller gets its own copy of the plans. Any change in the inputs (a heartbeat that moves a free
     GPU count, a lease, a learned factor) is a different key."""
-    key = (req, tuple(offers), tuple(links), objective, solver)
+    key = (req, offers if isinstance(offers, tuple) else tuple(offers),  # a tuple as given: it may hash once
+           links if isinstance(links, tuple) else tuple(links), objective, solver)
     hit = _QUOTE_MEMO.get(key)
     if hit is None:
         hit = _quote_options(req, offers, links, objective, solver)
