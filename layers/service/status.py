@@ -44,6 +44,7 @@ class ProfileStatus(CamelModel):
     cluster: str
     gpus: int
     gpu_model: str
+    digest: str | None = None  # the code bundle timed (spec.code.digest; None: CPN's built-in LM)
     tflops: float  # peak per GPU of the profiled cluster: the compute model scales other GPU models from it
     intra_gbps: float
     units_per_step: int

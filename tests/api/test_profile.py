@@ -100,6 +100,12 @@ async def test_a_profiled_job_is_quoted_from_its_measured_step(api, db) -> None:
     # profiled on the modelled-cheapest A100, whose measured step makes the faster H100s cheaper now
     assert {q["placement"][0]["gpuModel"] for q in items} == {"H100"}
 
+    for on, basis in ((True, "profiled"), (False, "modelled"), (True, "profiled")):  # re-applied: re-quoted
+        resp = await api.client.post("/api/v1/apply", json={"items": [_profiled("prof", profile=on)]},
+                                     headers=api.auth("alice"))
+        assert resp.status == 200, await resp.text()
+        assert {q["basis"] for q in await quotes(api, "prof")} == {basis}
+
     resp = await api.client.post("/api/v1/jobs/prof/accept", json={"quote": "cheapest"}, headers=api.auth("alice"))
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["status"]["phase"] == "Reserved"

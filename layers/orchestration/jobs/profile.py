@@ -121,6 +121,7 @@ async def start(session: AsyncSession, job: JobRow, spec: TrainingJobSpec, rows:
     intra = intra_gbps_by_site([Assignment(line["cluster"], line["site"], int(line["gpus"]), offer.gpu_model)],
                                {line["cluster"]: _cluster_offer(offer)})[line["site"]]
     profile = ProfileStatus(site=line["site"], cluster=cluster, gpus=int(line["gpus"]), gpu_model=offer.gpu_model,
+                            digest=spec.code.digest if spec.code is not None else None,
                             tflops=offer.tflops, intra_gbps=intra, units_per_step=int(train["global_batch_tokens"]),
                             steps=steps, max_seconds=PROFILE_MAX_SECONDS)
     update_status(job, attempt=PROFILE_ATTEMPT, topology=topo, train=train, sites="0/1",
@@ -207,6 +208,15 @@ def _startup(subtasks: list[SubtaskRow], timed: int, seconds: float) -> float | 
         return None
     whole = (as_utc(t.reported_at) - as_utc(t.claimed_at)).total_seconds()
     return round(max(0.0, whole - timed * seconds), 2)
+
+
+def current(job: JobRow) -> ProfileStatus | None:
+    """The job's profile if it still describes the job: spec.profile is on and the code is the code
+    that was timed (a changed spec is quoted as modelled; it is not profiled again)."""
+    spec, found = TrainingJobSpec.model_validate(job.spec), status_of(job).profile
+    if not spec.profile or found is None:
+        return None
+    return found if found.digest == (spec.code.digest if spec.code is not None else None) else None
 
 
 def profiled(profile: ProfileStatus | None) -> Profiled | None:

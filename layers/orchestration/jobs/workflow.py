@@ -29,7 +29,7 @@ from layers.service.contracts import Accepted, QuoteUnavailable, accept
 from layers.service.jobs import DRAFT_PHASES, JobStore, load_job, set_phase
 from layers.service.models import JobRow, QuoteRow
 from layers.service.schemas import TrainingJobSpec, pricing_only_reason
-from layers.service.status import ProfileStatus, status_of
+from layers.service.status import ProfileStatus
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
     job is being created in this transaction (it has no quotes to supersede; the caller flushes)."""
     now = now or datetime.now(UTC)
     saved = await price_options(session, TrainingJobSpec.model_validate(job.spec), t, now, job_id=job.id,
-                                owner=(job.owner_id, split_key(job.name)[0] or ""), profiled=status_of(job).profile)
+                                owner=(job.owner_id, split_key(job.name)[0] or ""), profiled=profile.current(job))
     if not fresh:
         await quotes_mod.supersede_open(session, job)
     session.add_all(saved)
