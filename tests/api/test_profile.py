@@ -7,7 +7,7 @@ tests/e2e/test_profile.py."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from urllib.parse import quote
 
 import pytest
@@ -149,3 +149,38 @@ async def test_profile_must_be_a_boolean_and_a_dry_run_is_modelled(api) -> None:
     resp = await submit(api, _profiled("short", tokens=2 * 1024))  # two steps: the profile would be the run
     error = (await resp.json())["error"]
     assert resp.status == 422 and error["field"] == "spec.profile", error
+
+
+async def test_a_profile_at_its_time_cap_is_stopped_and_measured_from_its_steps_so_far(api, db) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import update
+
+    from layers.orchestration.jobs.profile import PROFILE_MAX_SECONDS
+    from layers.orchestration.lifecycle.models import SubtaskRow
+
+    await register_world(api)
+    assert (await submit(api, _profiled("slow"))).status == 201
+    contract = await _claim(api, "ams-a100")
+    await _report(api, "ams-a100", contract["uid"], "Running")
+    await _steps(api, contract, 4)  # 4 of 8 steps when the cap comes
+    async with db.session() as s:
+        await s.execute(update(SubtaskRow).where(SubtaskRow.id == contract["uid"]).values(
+            claimed_at=datetime.now(UTC) - timedelta(seconds=PROFILE_MAX_SECONDS + 1)))
+    await _reconciler(db).reconcile_once()
+    got = await _get(api, "/api/v1/jobs/slow")
+    assert got["status"]["phase"] == "Quoted", got["status"]
+    probe = got["status"]["profile"]
+    assert probe["measuredStepSeconds"] == pytest.approx(STEP) and probe["measuredSteps"] == 3
+    assert "cap" in probe["note"] and probe["startupSeconds"] is None, probe
+    listing = await _get(api, "/api/v1/subtasks?cluster=ams-a100", OWNER["ams-a100"])
+    assert [t["spec"]["desired"] for t in listing["items"]] == ["Stop"]  # its agent stops the run
+
+
+async def test_a_profiling_job_can_be_cancelled(api, db) -> None:  # type: ignore[no-untyped-def]
+    await register_world(api)
+    assert (await submit(api, _profiled("nevermind"))).status == 201
+    resp = await api.client.post("/api/v1/jobs/nevermind/cancel", headers=api.auth("alice"))
+    assert resp.status == 200 and (await resp.json())["status"]["phase"] == "Cancelled", await resp.text()
+    listing = await _get(api, "/api/v1/subtasks?cluster=ams-a100", OWNER["ams-a100"])
+    assert [(t["spec"]["desired"], t["status"]["phase"]) for t in listing["items"]] == [("Stop", "Cancelled")]
+    leases = (await _get(api, "/api/v1/reservations?job=nevermind"))["items"]
+    assert [x["status"]["state"] for x in leases] == ["released"]
