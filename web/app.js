@@ -58,7 +58,7 @@ function table(headers, rows, empty, label = "table") {
 function badge(text) {
   const tone = {
     Succeeded: "ok", Running: "run", Ready: "ok", True: "ok", Launching: "run", Reserved: "info",
-    Accepted: "info", Quoted: "info", Pending: "muted", Failed: "bad", Cancelled: "muted", False: "bad",
+    Accepted: "info", Quoted: "info", Profiling: "run", Pending: "muted", Failed: "bad", Cancelled: "muted", False: "bad",
     Warning: "warn", Normal: "muted", Recommended: "ok", Expired: "bad",
   }[text] || "muted";
   return el("span", { class: `badge ${tone}` }, text ?? "-");
@@ -731,6 +731,9 @@ function quoteCard(name, q, status, pending, show) {
       el("dt", {}, "WAN traffic"), el("dd", {}, `${fmt.num(q.wanGB, 3)} GB`),
       el("dt", {}, "Expires"), el("dd", {}, fmt.time(q.expiresAt))),
     q.trains && q.trains.note ? el("p", { class: "muted" }, q.trains.note) : null,
+    q.basis === "profiled" && q.profile ? el("p", { class: "muted" },
+      `Profiled: ${fmt.num(q.profile.measuredStepSeconds, 3)} s per step measured on ${q.profile.gpus}×` +
+      `${q.profile.gpuModel} at ${q.profile.site}; ${fmt.num(q.profile.stepSeconds, 3)} s per step here`) : null,
     q.pricingOnly ? el("p", { class: "warn-text" }, `Priced for reference only: ${q.pricingOnly}`) : null,
     expired ? el("p", { class: "muted" }, "This quote has expired: get quotes again.") : null,
     el("details", {}, el("summary", {}, `${lines.length} price line${lines.length === 1 ? "" : "s"}`),
@@ -817,6 +820,7 @@ function failureBox(st, events) {
 /** What the empty loss chart says, by phase: only a run that can report is waiting for metrics. */
 function waitingText(st) {
   return {
+    Profiling: "timing a few of the job's steps at one site; quotes follow (spec.profile)",
     Quoted: "no run yet: accept a quote to start it",
     Accepted: "reserved: the run starts when its sites launch it",
     Reserved: "reserved: the run starts when its sites launch it",
