@@ -76,10 +76,13 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if _public(request):
         return await handler(request)
     header = request.headers.get("Authorization")
-    principal = await tokens.authenticate_request(request.app[state.DB], header)
+    # a token seen before: its check and its rate limit in one statement (PostgreSQL)
+    principal, allowed = await tokens.authenticate_charged(request.app[state.DB], header, request.app[RATE])
     if principal.role is Role.WORKER and not _worker_may(request, principal.job or ""):
         raise errors.Forbidden("a worker token may only report metrics and checkpoints for its own job")
-    if principal.role is not Role.WORKER and not await request.app[RATE].allow(principal.token_id or principal.account_id):
+    if allowed is None and principal.role is not Role.WORKER:
+        allowed = await request.app[RATE].allow(principal.token_id or principal.account_id)
+    if principal.role is not Role.WORKER and not allowed:
         raise errors.RateLimited("too many requests for this token; slow down and retry")
     request[PRINCIPAL] = principal
     return await handler(request)

@@ -194,6 +194,9 @@ def validate(model: type[BaseModel], body: Any) -> BaseModel:
 
 
 
+_UNCHECKED = object()  # create_row: the caller did not look for an existing row
+
+
 @functools.cache  # one statement per (row class, lock), run with each name: cheaper than building it per call
 def _by_name(row: Any, lock: bool) -> Any:
     stmt = select(row).where(row.name == bindparam("row_name"))
@@ -318,14 +321,20 @@ class ResourceStore:
     async def create(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
         return self.to_manifest(principal, await self.create_row(session, principal, body))
 
+    def new_key(self, principal: Principal, obj: BaseModel) -> str:
+        """The key a new object `obj` of `principal`'s gets."""
+        return self.key(principal, obj.metadata.name, self.own_namespace(principal, obj))  # type: ignore[attr-defined]
+
     async def create_row(self, session: AsyncSession, principal: Principal, body: Any, *,
-                         flush: bool = True) -> ResourceRow:
+                         flush: bool = True, existing: Any = _UNCHECKED) -> ResourceRow:
         """`create`, returning the row; with flush=False it is only added to the session (written with
-        the transaction's next flush, together with what else the caller adds)."""
-        obj = self.parse(body)
+        the transaction's next flush, together with what else the caller adds). `body` may be parsed
+        already (a manifest); `existing`: the row the caller found under the new object's key (None:
+        none), when it looked in a read of its own."""
+        obj = body if isinstance(body, self.manifest) else self.parse(body)
         self.authorize_write(principal, None)
-        key = self.key(principal, obj.metadata.name, self.own_namespace(principal, obj))
-        if await self.find(session, key) is not None:
+        key = self.new_key(principal, obj)
+        if (await self.find(session, key) if existing is _UNCHECKED else existing) is not None:
             raise errors.AlreadyExists(f"{self.kind} {key!r} already exists", field="metadata.name")
         refs = await self.prepare(session, principal, obj, None)
         row = self.row(name=key, owner_id=principal.account_id)

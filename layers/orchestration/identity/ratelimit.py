@@ -12,9 +12,9 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
-from sqlalchemy import bindparam, func
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.dialects.postgresql import insert
 
 from cpn.core.db import Database
@@ -61,9 +61,21 @@ class SharedRateLimiter:
                   "resource_version": RateBucket.__table__.c.resource_version + 1},
             where=start + self.interval - now <= self.burst,
         ).returning(RateBucket.tat)
+        self._charging: dict[Any, Any] = {}
 
     async def allow(self, key: str) -> bool:
         return await self.db.write_returning(self.stmt, {"bucket_key": key[:64]}) is not None
+
+    def charging(self, read: Any) -> Any:
+        """`read` (a select of one row) that also charges the bucket `bucket_key` in the same statement
+        (a data-modifying WITH runs once, whatever the select returns): its column `allowed` is 1 when
+        the request is within the limit. One round trip for a request's token check and rate limit."""
+        stmt = self._charging.get(read)
+        if stmt is None:
+            bucket = self.stmt.cte("bucket")
+            stmt = self._charging[read] = read.add_columns(
+                select(func.count()).select_from(bucket).scalar_subquery().label("allowed"))
+        return stmt
 
 
 def limiter_for(db: Database, per_minute: int) -> RateLimiter:

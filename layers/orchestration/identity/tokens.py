@@ -223,6 +223,21 @@ def _check_still_valid(row: Any) -> None:
         raise errors.Unauthenticated("token expired")
 
 
+async def authenticate_charged(db: Database, header: str | None, limiter: Any) -> tuple[Principal, bool | None]:
+    """`authenticate_request` and, for a token verified before (not a worker's) under a shared rate
+    limiter, its rate limit in the same statement: (principal, whether within the limit); None when
+    the limit was not checked (the caller asks the limiter)."""
+    charging = getattr(limiter, "charging", None)
+    hit = _cache.get(_digest(header)) if header and header.startswith("Bearer ") else None
+    if charging is None or not hit or hit[0] <= time.monotonic() or hit[1].role is Role.WORKER:
+        return await authenticate_request(db, header), None
+    principal = hit[1]
+    row = await db.write_returning(charging(_validity()), {"token_id": principal.token_id,
+                                                           "bucket_key": (principal.token_id or principal.account_id)[:64]})
+    _check_still_valid(row)
+    return principal, bool(row.allowed)
+
+
 async def authenticate_request(db: Database, header: str | None) -> Principal:
     """`authenticate` for the API's every request: a token verified in the last `_CACHE_SECONDS` costs
     one read of its row outside any transaction (one round trip, not BEGIN + SELECT + COMMIT); the

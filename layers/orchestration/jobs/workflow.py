@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import and_, bindparam, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
@@ -58,14 +58,19 @@ async def submit(session: AsyncSession, principal: Principal, body: Any, idempot
     """Create a job and quote it. A retried submission with the same Idempotency-Key returns the
     same job (and False: not created)."""
     store = JobStore()
-    if idempotency_key:
-        found = (await session.execute(_BY_IDEMPOTENCY_KEY, {"owner": principal.account_id, "key": idempotency_key})
-                 ).scalar_one_or_none()
-        if found is not None:
-            return store.to_manifest(principal, found), False
+    obj = store.parse(body)
+    key = store.new_key(principal, obj)
+    # one read: this key's earlier submission (Idempotency-Key) and a job already holding the name
+    found = (await session.execute(_BY_IDEMPOTENCY_KEY_OR_NAME, {
+        "owner": principal.account_id, "key": idempotency_key, "name": key})).scalars().all()
+    earlier = next((j for j in found if idempotency_key and j.owner_id == principal.account_id
+                    and j.idempotency_key == idempotency_key), None)
+    if earlier is not None:
+        return store.to_manifest(principal, earlier), False
     # The job, its events and its quotes are written together by one flush at the end (an INSERT per
     # table, many rows each) instead of an INSERT, a re-read and UPDATEs along the way.
-    job: JobRow = await store.create_row(session, principal, body, flush=False)  # type: ignore[assignment]
+    job: JobRow = await store.create_row(session, principal, obj, flush=False,  # type: ignore[assignment]
+                                         existing=next((j for j in found if j.name == key), None))
     job.id = new_uid()  # the quotes name it before it is written
     job.idempotency_key = idempotency_key
     await record_event(session, job.name, "Normal", "Submitted", f"submitted by {principal.name}")
@@ -79,8 +84,9 @@ async def submit(session: AsyncSession, principal: Principal, body: Any, idempot
     return store.to_manifest(principal, job), True
 
 
-_BY_IDEMPOTENCY_KEY = select(JobRow).where(JobRow.owner_id == bindparam("owner"),  # built once
-                                           JobRow.idempotency_key == bindparam("key"))
+_BY_IDEMPOTENCY_KEY_OR_NAME = select(JobRow).where(or_(  # built once
+    and_(JobRow.owner_id == bindparam("owner"), JobRow.idempotency_key == bindparam("key")),
+    JobRow.name == bindparam("name")))
 
 
 async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime | None = None, *,
