@@ -18,6 +18,7 @@ ENV_METRICS_TOKEN = "CPN_METRICS_TOKEN"
 ENV_CHECKPOINT_DIR = "CPN_CHECKPOINT_DIR"
 ENV_RUN_DIR = "CPN_RUN_DIR"
 ENV_REJOIN = "CPN_REJOIN"
+FINAL_MODEL = "final_model.pt"  # rank 0 writes the final weights in the run directory; the job runner uploads them
 
 StrategyName = Literal["ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "ps_sync",
                        "ps_backup", "pipeline"]

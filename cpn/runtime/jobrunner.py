@@ -34,10 +34,10 @@ from typing import IO, Any
 import httpx
 
 from cpn.runtime import bundle, checkpoint
+from cpn.runtime.config import FINAL_MODEL
 from cpn.runtime.contract import ENV, AttemptSpec, worker_env
 from cpn.runtime.ranklog import rank_prefix
 
-FINAL_MODEL = "final_model.pt"  # what rank 0 writes at the end (cpn.runtime.train and cpn.train)
 DONE_MARK = ".cpn-bundle"
 MAX_UNPACKED_BYTES = 2 * 1024**3
 

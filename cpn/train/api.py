@@ -19,7 +19,8 @@ import json
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -29,20 +30,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpn.runtime import checkpoint
+from cpn.runtime import checkpoint, faults
 from cpn.runtime.autotune import resolve
-from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, TrainConfig
+from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, FINAL_MODEL, TrainConfig
 from cpn.runtime.contract import ENV
 from cpn.runtime.device import select_device, synchronize
 from cpn.runtime.groups import Groups, init_groups
-from cpn.runtime.metrics import Recorder, default_sinks
+from cpn.runtime.metrics import Recorder, default_sinks, gather_finals, summarize, write_summary
 from cpn.runtime.strategies import Context, Strategy, build_strategy
 from cpn.runtime.strategies.async_ps import PS_STRATEGIES
 from cpn.runtime.strategies.base import flat_params, load_flat
 
 __all__ = ["FINAL_MODEL", "Budget", "Job", "Trainer", "init"]
 
-FINAL_MODEL = "final_model.pt"  # rank 0 writes it in the run directory; the job runner uploads it
 T = TypeVar("T")
 _JOB: Job | None = None
 
@@ -126,18 +126,26 @@ class Job:
             return _Slice(dataset, lo, hi)
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-             lr_schedule: bool | None = None) -> Trainer:
+             lr_schedule: bool | None = None, broadcast: bool = True) -> Trainer:
         """Apply the job's strategy to ``model`` (moved to :attr:`device`) and ``optimizer``.
 
-        Every rank starts from rank 0's parameters (as torch DDP does). ``optimizer=None`` uses the
+        Every rank starts from rank 0's parameters (as torch DDP does; ``broadcast=False`` skips that
+        when every rank builds the same model from :attr:`seed`). ``optimizer=None`` uses the
         runtime's (AdamW at ``spec`` lr); ``lr_schedule`` (default: only then) drives the
         optimiser's learning rate along CPN's warm-up + cosine schedule. The parameter-server strategies
         (``async_ps``, ``ps_sync``, ``ps_backup``) keep their own optimiser at the servers (AdamW at
         ``spec`` lr): there ``optimizer`` is not used."""
         if self._trainer is not None:
             raise RuntimeError("job.wrap() was called already: one model per job")
-        self._trainer = Trainer(self, model, optimizer, lr_schedule=optimizer is None if lr_schedule is None else lr_schedule)
+        self._trainer = Trainer(self, model, optimizer, broadcast=broadcast,
+                                lr_schedule=optimizer is None if lr_schedule is None else lr_schedule)
         return self._trainer
+
+    def close(self) -> dict[str, Any] | None:
+        """End the job in this process: the job runner calls it after the entry point returns (call
+        it yourself only under another launcher). Finishes a trainer the loop left early, closes the
+        metrics stream and, on rank 0 with a run directory, writes the run summary (returned)."""
+        return self._trainer._close() if self._trainer is not None else None
 
 
 class _Slice(Sequence):  # type: ignore[type-arg]
@@ -166,10 +174,11 @@ _RESERVED = {"rank", "site", "step", "tokens", "final", "jobTokens", "wallSecond
 class Trainer:
     """Runs the job's strategy around the user's model and optimiser. Made by :meth:`Job.wrap`."""
 
-    def __init__(self, job: Job, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, lr_schedule: bool):
+    def __init__(self, job: Job, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, lr_schedule: bool,
+                 broadcast: bool = True):
         cfg, groups = job._cfg, job._groups
         model.to(job.device)
-        if not cfg.resume:
+        if broadcast and not cfg.resume:
             _broadcast_from_rank0(model, groups)
         shares = cfg.shares(groups.world_size)
         self.job, self.model = job, model
@@ -181,10 +190,13 @@ class Trainer:
             self.strategy.opt = optimizer  # the strategy syncs; the user's optimiser steps
         self.optimizer = self.strategy.opt
         self.lr_schedule = lr_schedule
+        if job.checkpoint_dir is not None and groups.rank == 0:  # what `cpn train --resume DIR` restarts from
+            checkpoint.atomic_write_json(cfg.model_dump(), job.checkpoint_dir / "config.json")
+            checkpoint.atomic_write_json(groups.topology.model_dump(), job.checkpoint_dir / "topology.json")
         if cfg.resume:
             restored = checkpoint.load(cfg.resume, groups.site)
             if restored is None:
-                raise FileNotFoundError(f"no checkpoint under {cfg.resume} (it needs a latest.json)")
+                raise FileNotFoundError(f"no checkpoint under {cfg.resume}: check --resume (it needs a latest.json)")
             step, site_state, global_state = restored
             self.strategy.load_state(site_state, global_state)
             self.strategy.start_step = step
@@ -194,6 +206,8 @@ class Trainer:
                                  sinks=default_sinks(groups.rank, str(job.run_dir) if job.run_dir else None))
         self._done = False
         self._finished = False
+        self._closed = False
+        self._final: dict[str, Any] = {}
         self._last_loss: float | None = None
         self._begin_step()
         self._since = time.perf_counter()
@@ -213,7 +227,7 @@ class Trainer:
     def units(self) -> int:
         """This rank's units (tokens, samples …) in the current step: its share of ``budget.per_step``,
         less in the trimmed last step. A rank's gradient counts by its units, so a rank with 0 units in
-        that step still calls :meth:`step` (its loss, whatever it is, gets weight 0)."""
+        that step still calls :meth:`step` (with no loss, or any loss: it gets weight 0)."""
         return self.ctx.step_tokens
 
     @property
@@ -221,22 +235,41 @@ class Trainer:
         """The job-wide fraction of the budget spent, 0 .. 1."""
         return min(1.0, float(self.strategy.progress))
 
-    def step(self, loss: torch.Tensor, tokens: int = 0) -> None:
-        """Backward, the strategy's synchronisation, the optimiser step; count ``tokens`` units."""
+    @property
+    def pipelined(self) -> bool:
+        """True when the job's strategy runs the forward and backward passes itself (``pipeline``: the
+        model is cut into stages at different sites): call :meth:`step` without a loss."""
+        return self.strategy.owns_forward_backward
+
+    def step(self, loss: torch.Tensor | None = None, tokens: int = 0) -> None:
+        """Backward, the strategy's synchronisation, the optimiser step; count ``tokens`` units.
+
+        ``loss=None``: this rank has no units in the step (or the strategy is :attr:`pipelined`)."""
         if self._done:
             raise RuntimeError(f"the job's budget is spent ({self._step} steps): stop when trainer.done")
         ctx = self.ctx
-        loss.backward()
+        if self.pipelined:
+            if loss is not None:
+                raise ValueError("the pipeline strategy runs the forward and backward passes itself: "
+                                 "call trainer.step() without a loss")
+            value = self.strategy.forward_backward(self._step)
+        elif loss is not None:
+            loss.backward()
+            value = float(loss.detach().item())
+        else:
+            value = None
         synchronize(ctx.device)
-        busy = time.perf_counter() - self._since  # data + forward + backward since the last step
+        compute = time.perf_counter() - self._since  # data + forward + backward since the last step
+        busy = compute + faults.slow_down(ctx.cfg.faults, ctx.site, compute)
         ctx.timers.add("compute", busy)
-        ctx.busy_seconds = getattr(ctx, "busy_seconds", 0.0) + busy
-        ctx.sequences_done = getattr(ctx, "sequences_done", 0) + ctx.micro_batch
+        ctx.busy_seconds += busy
+        ctx.sequences_done += ctx.micro_batch
         self.strategy.after_backward(self._step)
         self._step += 1
         self._units += int(tokens)
-        self._last_loss = float(loss.detach().item())
-        self._emit(train_loss=self._last_loss)
+        self.strategy.rebalance(self._step)
+        self._last_loss = value
+        self._emit(train_loss=value)
         if self.strategy.checkpoint_due(self._step):
             self._checkpoint()
         if self.strategy.should_stop(self._step):
@@ -245,9 +278,22 @@ class Trainer:
             self._begin_step()
         self._since = time.perf_counter()
 
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """``with trainer.evaluating(): ...`` — time spent inside (an evaluation, a log) is not
+        counted as this rank's training speed, which the balanced strategies split the batch by."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - t0
+            self.ctx.timers.add("compute", spent)
+            self._since += spent
+
     def report(self, **metrics: float | int | None) -> None:
         """Add your own metrics to the job's stream: ``trainer.report(val_loss=1.9, accuracy=0.7)``
-        appears as ``valLoss`` and ``accuracy`` in ``GET /api/v1/jobs/{name}/metrics`` and the portal."""
+        appears as ``valLoss`` and ``accuracy`` in ``GET /api/v1/jobs/{name}/metrics`` and the portal.
+        Reported after the budget is spent, they also enter the run's final figures."""
         extra: dict[str, float | None] = {}
         val = None
         for name, value in metrics.items():
@@ -261,8 +307,10 @@ class Trainer:
                 val = number
             else:
                 extra[key] = number
-        self._emit(train_loss=None, val_loss=val, **extra)
-        if self._finished:
+        report = self._emit(train_loss=None, val_loss=val, final=self._finished, **extra)
+        if self._finished:  # part of the run's final figures (e.g. the final model's val_loss)
+            self._final = {**self._final, **{k: v for k, v in report.items() if v is not None}}
+            self._publish_final()
             for sink in self.recorder.sinks:
                 sink.flush()
 
@@ -278,6 +326,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ internals
     def _begin_step(self) -> None:
+        if faults.should_kill(self.ctx.cfg.faults, self.ctx.site, self._step):
+            faults.die([self.recorder.close])
         self.strategy.before_step(self._step)
         self.strategy.plan_step(self._step)
         saved = [g.get("lr") for g in self.strategy.opt.param_groups]
@@ -305,14 +355,44 @@ class Trainer:
         if self._finished:
             return
         self._finished = self._done = True
+        cfg = self.ctx.cfg
         self.strategy.finish(self._step)
         if not self.strategy.global_budget:
-            self.strategy.progress = 1.0
-        self._emit(train_loss=None, final=True)
+            self.strategy.progress = cfg.tokens_through(self._step) / cfg.tokens
+        self._final = self._emit(train_loss=None, final=True)
+        self._publish_final()
         for sink in self.recorder.sinks:  # kept open: the user may still report (e.g. a last val_loss)
             sink.flush()
         if self.ctx.rank == 0 and self.job.run_dir is not None:
             checkpoint.atomic_save(self.model.state_dict(), self.job.run_dir / FINAL_MODEL)
+
+    def _publish_final(self) -> None:
+        """This rank's final figures on the job's store, where rank 0 sums the run up (:meth:`_close`)."""
+        self.ctx.store.set(f"cpn/final/{self.ctx.rank}", json.dumps(self._final))
+
+    def _close(self) -> dict[str, Any] | None:
+        if self._closed:
+            return None
+        self._closed = True
+        if not self._finished:  # the loop stopped before the budget: end here (the summary says how far)
+            self._finish()
+        self.recorder.close()
+        if self.ctx.rank != 0:
+            return None
+        return self._summary()
+
+    def _summary(self) -> dict[str, Any]:
+        ctx, run_dir = self.ctx, self.job.run_dir
+        topo = ctx.groups.topology
+        expected = [r for s in self.strategy.live_sites() for r in topo.ranks_of(s)]
+        finals = gather_finals(ctx.store, expected, list(range(topo.world_size)),
+                               timeout=max(60.0, ctx.cfg.strategy.wan_timeout_seconds))
+        summary = summarize(finals, self.recorder.curve, strategy=ctx.cfg.strategy.name, model=ctx.cfg.model,
+                            sites=topo.num_sites, world_size=topo.world_size, live_sites=self.strategy.live_sites(),
+                            config=ctx.cfg.model_dump(), **self.strategy.summary_extras())
+        if run_dir is not None:
+            write_summary(run_dir, summary)
+        return summary
 
 
 @torch.no_grad()
@@ -325,6 +405,11 @@ def _broadcast_from_rank0(model: nn.Module, groups: Groups) -> None:
     load_flat(model, flat)
     for buf in model.buffers():
         dist.broadcast(buf, src=0, group=groups.world)
+
+
+def close_job() -> dict[str, Any] | None:
+    """:meth:`Job.close` of this process's job, if :func:`init` made one (what the job runner calls)."""
+    return _JOB.close() if _JOB is not None else None
 
 
 def init() -> Job:

@@ -13,6 +13,7 @@ import sys
 import traceback
 
 from cpn.runtime.contract import ENV
+from cpn.train.api import close_job
 
 
 def load_entrypoint(code_dir: str, entrypoint: str):  # type: ignore[no-untyped-def]
@@ -38,6 +39,7 @@ def main() -> int:
     os.chdir(code_dir)  # the user's relative paths (a local text file …) resolve inside the bundle
     try:
         load_entrypoint(code_dir, entrypoint)()
+        close_job()  # the final figures and, on rank 0, the run summary
     except Exception as exc:  # noqa: BLE001 - the user's traceback belongs in the rank's log
         traceback.print_exc()
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -50,15 +50,18 @@ def _config(strategy: str, device: str, **knobs: Any) -> TrainConfig:
 
 def probe(cfg_json: str) -> dict[str, Any]:
     """One rank: train under the trap, then list what is where."""
-    from cpn.runtime.metrics import Recorder
-    from cpn.runtime.train import setup, train
+    import os
 
-    cfg = TrainConfig.model_validate_json(cfg_json)
+    from cpn.runtime.config import ENV_TRAIN_CONFIG
+    from cpn.train import lm
+    from cpn.train.api import init
+
+    os.environ[ENV_TRAIN_CONFIG] = cfg_json
     trap = DeviceTrap()
     trap.cover_threads()
     with trap:
-        ctx, strategy = setup(cfg)
-        step, _ = train(ctx, strategy, Recorder(rank=ctx.rank, site=ctx.site, sinks=[]))
+        trainer = lm.train(init())  # the built-in LM through the public API: the one training path
+        ctx, strategy, step = trainer.ctx, trainer.strategy, trainer.steps
         tensors = state_tensors(ctx, strategy)
     ctx.store.set(f"probe/done/{ctx.rank}", "1")
     if ctx.rank == 0:  # rank 0 hosts the store: leave last

@@ -14,7 +14,8 @@ from cpn.runtime.stages import Stage, cut_model, partition, unit_sizes
 from cpn.runtime.strategies.base import lr_at, make_optimizer
 from cpn.runtime.strategies.pipeline import ideal_bubble, micro_sizes
 from cpn.runtime.topology import Topology
-from cpn.runtime.train import FINAL_MODEL, evaluate, preflight, run_local
+from cpn.runtime.train import FINAL_MODEL, preflight, run_local
+from cpn.train.lm import evaluate
 
 
 def pipe(*, steps: int, extra_tokens: int = 0, **knobs: object) -> TrainConfig:

@@ -1,7 +1,7 @@
 """What every strategy shares: the worker context, the base protocol, and the cross-site plumbing.
 
 A strategy owns one rank's optimiser(s) and everything it says to other ranks. The training loop
-(:mod:`cpn.runtime.train`) computes a micro-batch's gradients and hands over to
+(:class:`cpn.train.Trainer`, the public API every job trains through) computes a micro-batch's gradients and hands over to
 :meth:`Strategy.after_backward`; the strategy syncs, steps, and decides when the run ends.
 
 Cross-site plumbing for the elastic strategies lives here:

@@ -1,0 +1,88 @@
+"""CPN's built-in language model, trained through :mod:`cpn.train` like any user's code.
+
+A job without ``spec.code`` runs this module (``python -m cpn.runtime.train`` calls :func:`main`):
+the byte-level transformer of :mod:`cpn.runtime.model` on the built-in corpus. Its size, sequence
+length, corpus and validation cadence come from the job's runtime config (where a user's module reads
+``job.config``); everything else — the strategy around the optimiser, the budget, metrics,
+checkpoints, resume, fault injection and the final weights — goes through :func:`cpn.train.init`,
+:meth:`~cpn.train.Job.wrap` and :class:`~cpn.train.Trainer`. There is one training path: what the
+benchmarks and the demo measure is what a user's module gets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cpn.runtime.config import TrainConfig
+from cpn.runtime.data import ShardSampler, load_corpus, split_corpus, val_batches
+from cpn.runtime.device import autocast
+from cpn.runtime.model import build_model
+from cpn.train.api import Job, Trainer, init
+
+__all__ = ["evaluate", "main", "train"]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list, precision: str = "fp32") -> float:
+    """The mean loss over ``batches`` (NaN without any)."""
+    if not batches:
+        return float("nan")
+    device = batches[0][0].device
+    with autocast(device, precision):
+        return sum(model.loss(x, y).item() for x, y in batches) / len(batches)
+
+
+def step_loss(model: torch.nn.Module, sampler: ShardSampler, cfg: TrainConfig, step: int, units: int,
+              device: torch.device) -> Tensor | None:
+    """This rank's loss for ``step`` over its ``units`` tokens: whole sequences and, in a trimmed last
+    step, maybe the front of one more; the mean over those tokens. None when the rank has none."""
+    full, tail = divmod(units, cfg.seq_len)
+    if not full and not tail:
+        return None
+    x, y = (t.to(device, non_blocking=True) for t in sampler.batch(step, full + (1 if tail else 0)))
+    with autocast(device, cfg.device.precision):
+        if not tail:
+            return model.loss(x, y)
+        parts = [(x[:full], y[:full], full * cfg.seq_len)] if full else []
+        parts.append((x[full:, :tail], y[full:, :tail], tail))
+        return sum(model.loss(a, b) * (n / units) for a, b, n in parts)  # type: ignore[return-value]
+
+
+def train(job: Job) -> Trainer:
+    """Build the model and data for this rank, train the job's budget, evaluate; returns the trainer."""
+    cfg: TrainConfig = job._cfg  # noqa: SLF001 - the built-in model's settings (a user's come from job.config)
+    device = job.device
+    split = split_corpus(load_corpus(cfg.corpus_bytes))
+    sampler = ShardSampler(split.train, shard=job.rank, num_shards=job.world_size, seq_len=cfg.seq_len,
+                           seed=cfg.seed)
+    model = build_model(cfg.model, seed=cfg.seed, device=device)  # the same start on every rank: no broadcast
+    val = val_batches(split.val, seq_len=cfg.seq_len, batches=cfg.val_batches) if job.rank == 0 else []
+    val = [(x.to(device), y.to(device)) for x, y in val]
+    trainer = job.wrap(model, broadcast=False)
+
+    def validate() -> None:
+        if job.rank == 0:
+            with trainer.evaluating():
+                loss = evaluate(model, val, cfg.device.precision)
+            trainer.report(val_loss=loss)
+
+    validate()
+    while not trainer.done:
+        if trainer.pipelined:  # the pipeline strategy feeds its stages itself
+            trainer.step(tokens=trainer.units)
+        else:
+            trainer.step(step_loss(model, sampler, cfg, trainer.steps, trainer.units, device), tokens=trainer.units)
+        if trainer.steps % cfg.val_every == 0 and not trainer.done:
+            validate()
+    validate()  # the final (consensus) model
+    return trainer
+
+
+def main() -> dict[str, Any] | None:
+    """One rank's whole life; rank 0 returns the run summary (also written to the run directory)."""
+    job = init()
+    train(job)
+    return job.close()
