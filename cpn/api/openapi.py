@@ -214,6 +214,9 @@ def _operation(doc: RouteDoc, links: dict[str, Any]) -> dict[str, Any]:
                  "propertyNames": {"pattern": NO_NUL}, "additionalProperties": {"$ref": "#/components/schemas/JsonValue"}}
         op["requestBody"] = {"required": True, "content": {
             "application/merge-patch+json": {"schema": patch}, "application/json": {"schema": patch}}}
+    elif doc.method == "PUT":  # a PUT without a model stores the bytes it is sent (bundle, checkpoint, weights)
+        op["requestBody"] = {"required": True, "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
     ok: dict[str, Any] = {"description": "OK"}
     if doc.method == "DELETE":
         ok["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/Status"}}}

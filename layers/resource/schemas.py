@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, WithJsonSchema, field_validator, model_validator
+from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
 
 from cpn.core.manifest import CamelModel, Condition, ManifestBase, Money, Name
 
@@ -120,16 +120,19 @@ class LinkManifest(ManifestBase):
 
 
 class HeartbeatRequest(CamelModel):
-    allocatable_gpus: int = Field(ge=0)
-    capacity_gpus: int | None = Field(default=None, ge=0)
+    capacity_gpus: int | None = Field(default=None, ge=0)  # before allocatableGpus: its check reads it
+    allocatable_gpus: int = Field(ge=0, description="GPUs free now; at most capacityGpus when that is given "
+                                                   "(a rule between two fields, checked by the server)")
     conditions: list[Condition] = Field(default_factory=list)
     node_pools: list[NodePool] | None = None
 
-    @model_validator(mode="after")
-    def _bounds(self) -> HeartbeatRequest:
-        if self.capacity_gpus is not None and self.allocatable_gpus > self.capacity_gpus:
-            raise ValueError("allocatableGpus cannot exceed capacityGpus")
-        return self
+    @field_validator("allocatable_gpus")
+    @classmethod
+    def _bounds(cls, value: int, info: ValidationInfo) -> int:
+        capacity = info.data.get("capacity_gpus")
+        if capacity is not None and value > capacity:
+            raise ValueError(f"allocatableGpus {value} cannot exceed capacityGpus {capacity}")
+        return value
 
 
 MAX_HEARTBEATS = 1000  # clusters per batched heartbeat request

@@ -83,6 +83,21 @@ async def test_wrong_digest_and_not_a_tarball(api, tmp_path: Path) -> None:
     assert resp.status == 422, await resp.text()
 
 
+async def test_the_document_states_the_raw_body_and_an_upload_as_documented_is_stored(api, tmp_path: Path) -> None:
+    # schemathesis found it: the byte-storing PUTs (bundle, checkpoint, final weights) published no
+    # requestBody, so the document said nothing of the body the server requires
+    doc = await (await api.client.get("/api/v1/openapi.json")).json()
+    for path in ("/api/v1/bundles/{sha256}", "/api/v1/jobs/{name}/checkpoints/{step}/{file}",
+                 "/api/v1/jobs/{name}/final"):
+        body = doc["paths"][path]["put"]["requestBody"]
+        assert body["required"] is True, path
+        assert body["content"] == {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+    data = user_code(tmp_path)
+    assert (await put(api, data)).status == 201
+    empty = await put(api, b"", digest="0" * 64)  # no body: the bytes (none) do not hash to the URL's digest
+    assert empty.status == 422 and (await empty.json())["error"]["field"] == "sha256"
+
+
 async def test_a_bundle_over_the_limit_gets_413(api, settings) -> None:  # type: ignore[no-untyped-def]
     settings.bundle_max_bytes = 100_000  # the server's CPN_BUNDLE_MAX_BYTES, read per request
     data = tar_gz([member("big.bin", os.urandom(200_000))])  # random: gzip cannot shrink it under the limit

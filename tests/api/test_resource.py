@@ -235,3 +235,22 @@ async def test_the_inventory_a_process_holds_follows_every_write(api, db) -> Non
     assert (await seen())[1] == ["fra-ams", "fra-par"]
     assert (await api.client.delete("/api/v1/clusters/fra-a100", headers=api.auth("prov-a"))).status in (200, 204)
     assert "fra-a100" not in (await seen())[0]
+
+
+async def test_allocatable_over_reported_capacity_names_the_field_and_the_document_says_the_rule(api) -> None:
+    # schemathesis found it: a heartbeat whose allocatableGpus exceeds its own capacityGpus was refused
+    # (rightly) but the document did not say so, and the error named the item, not the field
+    await apply(api, "prov-a", WORLD_A)
+    beat = {"cluster": "fra-h100", "capacityGpus": 4, "allocatableGpus": 5}
+    resp = await api.client.post("/api/v1/heartbeats", json={"items": [beat]}, headers=api.auth("prov-a"))
+    err = (await resp.json())["error"]
+    assert resp.status == 422 and err["field"] == "items[0].allocatableGpus", err
+    resp = await api.client.post("/api/v1/clusters/fra-h100/heartbeat", json={"capacityGpus": 4, "allocatableGpus": 5},
+                                 headers=api.auth("prov-a"))
+    assert resp.status == 422 and (await resp.json())["error"]["field"] == "allocatableGpus"
+    resp = await api.client.post("/api/v1/clusters/fra-h100/heartbeat", json={"capacityGpus": 4, "allocatableGpus": 4},
+                                 headers=api.auth("prov-a"))
+    assert resp.status == 200, await resp.text()
+    doc = await (await api.client.get("/api/v1/openapi.json")).json()
+    schema = next(v for k, v in doc["components"]["schemas"].items() if k.startswith("HeartbeatRequest"))
+    assert "at most capacityGpus" in schema["properties"]["allocatableGpus"]["description"]
