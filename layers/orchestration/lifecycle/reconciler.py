@@ -63,6 +63,15 @@ class Reconciler:
         self.db, self.cfg = db, cfg
         self.strikes: dict[str, int] = {}  # job → consecutive passes that raised
         self.leadership = Leadership(db)
+        # since when this replica has led and its API could hear the agents (None: not leading, or
+        # driven pass by pass from outside): silence older than that is the server's, not the sites'
+        self.listening_since: datetime | None = None
+
+    def _heard_since(self, moment: datetime) -> datetime:
+        """``moment``, or when this reconciler started listening if later: a server that was down (or
+        a replica that just took the lead) does not blame agents for reports it could not receive."""
+        moment = as_utc(moment)
+        return max(moment, self.listening_since) if self.listening_since is not None else moment
 
     async def run_forever(self) -> None:
         """Passes while this replica leads (always, on SQLite); the others only try to take the lead."""
@@ -70,7 +79,10 @@ class Reconciler:
             while True:
                 try:
                     if await self.leadership.ensure():
+                        self.listening_since = self.listening_since or datetime.now(UTC)
                         await self.reconcile_once()
+                    else:
+                        self.listening_since = None
                 except Exception:  # noqa: BLE001 - one bad pass must not stop the loop
                     log.exception("reconcile pass failed")
                 await asyncio.sleep(self.cfg.interval)
@@ -208,19 +220,20 @@ class Reconciler:
                 continue
             cluster = clusters.get(t.cluster)
             if t.phase == "Pending":
-                waited = now - as_utc(t.created_at)
+                waited = now - self._heard_since(t.created_at)
                 if waited > self.cfg.claim_timeout:
                     states[t.name] = SubtaskState("Failed", f"no agent of cluster {t.cluster} claimed the sub-task "
                                                   f"within {int(self.cfg.claim_timeout.total_seconds())} s",
                                                   {NEVER_CLAIMED: -9})
                 continue
             if t.phase == "Launching" and t.reported is None and t.claimed_at is not None \
-                    and now - as_utc(t.claimed_at) > self.cfg.claim_timeout:  # claimed, then never a word
+                    and now - self._heard_since(t.claimed_at) > self.cfg.claim_timeout:  # claimed, then never a word
                 states[t.name] = SubtaskState("Failed", f"the agent of cluster {t.cluster} claimed the sub-task but "
                                               f"reported nothing within {int(self.cfg.claim_timeout.total_seconds())} s",
                                               {NOT_LAUNCHED: -9})
                 continue
-            if cluster is not None and not is_ready(cluster, self.cfg.heartbeat_timeout)[0]:
+            deaf = self.listening_since is not None and now - self.listening_since < self.cfg.heartbeat_timeout
+            if cluster is not None and not deaf and not is_ready(cluster, self.cfg.heartbeat_timeout)[0]:
                 states[t.name] = SubtaskState("Lost", f"the agent of cluster {t.cluster} stopped heartbeating",
                                               {"heartbeat": -9})
             elif t.reported and t.reported != t.phase:

@@ -136,3 +136,31 @@ async def test_a_claimed_subtask_its_agent_never_reports_fails_after_the_claim_t
                                                         SubtaskRow.attempt == 1))).scalar_one()
     assert row.phase == "Failed" and "reported nothing" in (row.message or ""), row.message
     assert row.desired == "Stop"
+
+
+async def test_a_restarted_server_does_not_blame_sites_for_its_own_silence(api, db) -> None:  # type: ignore[no-untyped-def]
+    """The API server was down for longer than the heartbeat timeout, so every cluster's last heartbeat
+    is stale: a reconciler that has only just started listening waits a heartbeat timeout before it
+    calls a site lost (the agents could not reach it); after that, silence is the site's."""
+    from layers.resource.models import ClusterRow
+
+    await _world(api)
+    await _accept(api, "outlives-restart")
+    reconciler = _reconciler(db, 3600)
+    await reconciler.reconcile_once()
+    async with db.session() as s:
+        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/outlives-restart"))).scalar_one()
+        row.phase, row.reported, row.claimed_at = "Running", "Running", datetime.now(UTC)
+        for cluster in (await s.execute(select(ClusterRow))).scalars():
+            cluster.last_heartbeat_at = datetime.now(UTC) - timedelta(minutes=5)
+    restarted = _reconciler(db, 3600)
+    restarted.listening_since = datetime.now(UTC)  # what run_forever sets when it takes the lead
+    await restarted.reconcile_once()
+    job = await _job_of(db, "outlives-restart")
+    assert job.phase == "Running" and job.status["attempt"] == 1, job.status
+    restarted.listening_since = datetime.now(UTC) - timedelta(minutes=2)  # listening longer than the timeout
+    await restarted.reconcile_once()
+    async with db.session() as s:
+        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/outlives-restart",
+                                                        SubtaskRow.attempt == 1))).scalar_one()
+    assert row.phase == "Lost" and "stopped heartbeating" in (row.message or ""), (row.phase, row.message)
