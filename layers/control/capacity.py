@@ -91,14 +91,14 @@ _markets: OrderedDict[str, _Market] = OrderedDict()  # database URL → the last
 
 
 async def offer_set(session: AsyncSession, heartbeat_timeout: timedelta, now: datetime | None = None,
-                    also: tuple[Any, ...] = ()) -> OfferSet:
+                    also: tuple[Any, ...] = (), params: dict[str, Any] | None = None) -> OfferSet:
     """The live offer set, in one round trip: the catalogue's stamp and the active lease sums (and the
     caller's `also` selects) are read together; the offers are rebuilt only when the catalogue (a
     cluster, site, link, price or heartbeat written), a lease, or the time (a Ready cluster whose
     heartbeat timed out) changed what a quote may offer. Replicas each keep their own and check it
     against the database on every call."""
     now = now or datetime.now(UTC)
-    catalogue, rows = await stored_catalogue(session, (_lease_sums(), *also))
+    catalogue, rows = await stored_catalogue(session, (_lease_sums(), *also), params)
     leased = {r[0][len(LEASE_TAG):]: int(r[1] or 0) for r in rows if r[0].startswith(LEASE_TAG)}
     extra = [r for r in rows if not r[0].startswith(LEASE_TAG)]
     key = (catalogue, tuple(sorted(leased.items())), heartbeat_timeout)

@@ -179,15 +179,17 @@ CATALOGUE_TAGS = ("c", "s", "l")  # the stamp rows of clusters, sites and links
 _stamp_queries: dict[tuple[Any, ...], Any] = {}
 
 
-async def stored_catalogue(session: AsyncSession, also: tuple[Any, ...] = ()) -> tuple[_Catalogue, list[Any]]:
+async def stored_catalogue(session: AsyncSession, also: tuple[Any, ...] = (),
+                           params: dict[str, Any] | None = None) -> tuple[_Catalogue, list[Any]]:
     """The catalogue as stored (the same object while nothing changed), and the rows of `also`: more
     selects of the stamp's shape (tag, count, timestamp, number; tags other than c/s/l) that callers
-    above this layer send in the same round trip (lease sums, their own stamps)."""
+    above this layer send in the same round trip (lease sums, their own stamps), `params` the values
+    of their bind parameters."""
     stmt = _stamp_queries.get(also)
     if stmt is None:  # built once per distinct `also` (callers pass the same statement objects)
         stmt = _stamp_queries[also] = union_all(_stamp_of(ClusterRow, "c"), _stamp_of(SiteRow, "s"),
                                                 _stamp_of(LinkRow, "l"), *also)
-    stamps = (await session.execute(stmt)).all()
+    stamps = (await session.execute(stmt, params)).all()
     stamp = tuple(sorted((r[0], r[1], as_utc(r[2]), int(r[3])) for r in stamps if r[0] in CATALOGUE_TAGS))
     extra = [r for r in stamps if r[0] not in CATALOGUE_TAGS]
     where = str(session.get_bind().url)

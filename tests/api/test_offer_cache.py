@@ -98,8 +98,9 @@ async def test_quotes_follow_a_price_change_between_two_submissions(api) -> None
 
 
 async def test_a_submission_writes_its_job_events_and_quotes_in_few_statements(api, db) -> None:
-    """The submit transaction: the idempotency and name checks, the dataset lookup, one catalogue round
-    trip (stamp, leases, calibrations), then one INSERT each for the job, its events, its quotes."""
+    """The submit transaction: one read for the idempotency and name checks, one market round trip
+    (catalogue stamp, leases, calibrations, the owner's Dataset of that name), then one INSERT each for
+    the job, its events, its quotes."""
     await register_world(api)
     assert (await submit(api, job("warm"))).status == 201  # the catalogue loaded once
     statements: list[str] = []
@@ -114,7 +115,7 @@ async def test_a_submission_writes_its_job_events_and_quotes_in_few_statements(a
         event.remove(db.engine.sync_engine, "before_cursor_execute", count)
     handler = [s for s in statements if "audit_records" not in s and "rate_buckets" not in s  # the middlewares'
                and not s.startswith(("SELECT tokens", "WITH bucket"))]
-    assert len(handler) <= 7, statements
+    assert len(handler) <= 5, statements
     assert sum(s.startswith("INSERT") for s in handler) == 3, statements
     assert not any(s.startswith("UPDATE") for s in handler), statements
     items = await quotes(api, "counted")
@@ -125,3 +126,5 @@ async def test_a_submission_writes_its_job_events_and_quotes_in_few_statements(a
     assert again.status in (200, 201) and (await again.json())["metadata"]["name"] == "counted"
     dup = await submit(api, job("counted"))
     assert dup.status == 409
+    unknown = await submit(api, job("nodata", dataset="no-such-corpus"))  # the market read says: no such Dataset
+    assert unknown.status == 422 and (await unknown.json())["error"]["field"] == "spec.dataset"

@@ -6,15 +6,16 @@ built-in corpus of CPN's runtime (:data:`BUILTIN_DATASETS`), present at every si
 
 from __future__ import annotations
 
+import functools
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, func, literal, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
 from cpn.core.phases import JOB_DRAFT, JOB_TERMINAL
-from cpn.core.store import RETIRED, split_key
+from cpn.core.store import NS_SEP, RETIRED, qualify, split_key
 from cpn.runtime.contract import DataRef
 from layers.orchestration.planning import data as data_model
 from layers.orchestration.planning.types import DataNeed, WanLink
@@ -39,6 +40,35 @@ async def need(session: AsyncSession, owner_id: str, namespace: str, dataset: st
     row = await find_dataset(session, owner_id, namespace, dataset)
     if row is not None:
         return need_of(row)
+    return _no_dataset(namespace, dataset)
+
+
+PROBE_TAG = "dataset"
+
+
+@functools.cache  # one statement object, so the round trip it joins is built once
+def probe() -> Any:
+    """How many Datasets the owner holds under a job's dataset key, in the shape of the catalogue's
+    stamp rows (:func:`layers.control.capacity.offer_set` sends it in its round trip); values from
+    :func:`probe_params`."""
+    return select(literal(PROBE_TAG), func.count(), func.max(DatasetRow.updated_at), literal(0)).where(
+        DatasetRow.name == bindparam("dataset_key"), DatasetRow.owner_id == bindparam("dataset_owner"))
+
+
+def probe_params(owner_id: str, namespace: str, dataset: str) -> dict[str, str]:
+    return {"dataset_key": dataset if NS_SEP in dataset else qualify(namespace, dataset), "dataset_owner": owner_id}
+
+
+async def need_probed(session: AsyncSession, owner_id: str, namespace: str, dataset: str, probed: Any
+                      ) -> DataNeed | None:
+    """`need`, without its read when the `probe` row says the owner holds no Dataset of that name
+    (a built-in corpus, or a mistake)."""
+    if probed[1]:
+        return await need(session, owner_id, namespace, dataset)
+    return _no_dataset(namespace, dataset)
+
+
+def _no_dataset(namespace: str, dataset: str) -> None:
     if dataset in BUILTIN_DATASETS:
         return None
     raise errors.InvalidInput(f"spec.dataset: there is no Dataset {dataset!r} in namespace {namespace!r} and it is "

@@ -114,10 +114,15 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
     """Cheapest / fastest / balanced plans against live capacity, priced; the rows are not stored.
     `owner` (account id, namespace) resolves spec.dataset; a measured `profiled` run (spec.profile)
     prices the compute from the job's own steps, and the quotes' basis says so."""
-    need = await data.need(session, *owner, spec.dataset) if owner is not None else None
-    # one round trip: the catalogue's stamp, the active leases and the calibrations' stamp
-    market = await capacity.offer_set(session, t.heartbeat, now, also=(learning.stamp(),))
-    learned = await learning.load_at(session, market.extra[0])  # what finished runs taught
+    # one round trip: the catalogue's stamp, the active leases, the calibrations' stamp and whether the
+    # owner holds a Dataset named spec.dataset
+    also, params = (learning.stamp(),), None
+    if owner is not None:
+        also, params = (learning.stamp(), data.probe()), data.probe_params(*owner, spec.dataset)
+    market = await capacity.offer_set(session, t.heartbeat, now, also=also, params=params)
+    extra = {r[0]: r for r in market.extra}
+    need = await data.need_probed(session, *owner, spec.dataset, extra[data.PROBE_TAG]) if owner is not None else None
+    learned = await learning.load_at(session, extra[learning.STAMP_TAG])  # what finished runs taught
     req = replace(requirements(spec, now), learned=learned, data=need, profiled=profile.profiled(profiled))
     offers, wan = planner_inputs_of(market, spec.currency)
     links = market.links
