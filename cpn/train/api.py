@@ -307,9 +307,10 @@ class Trainer:
                 val = number
             else:
                 extra[key] = number
-        report = self._emit(train_loss=None, val_loss=val, final=self._finished, **extra)
-        if self._finished:  # part of the run's final figures (e.g. the final model's val_loss)
-            self._final = {**self._final, **{k: v for k, v in report.items() if v is not None}}
+        report = self._emit(train_loss=None, val_loss=val, **extra)
+        if self._finished:  # part of the run's final figures (e.g. the final model's val_loss); the
+            # stream keeps one `final` report per rank, this one follows it
+            self._final = {**self._final, **{k: v for k, v in report.items() if v is not None}, "final": True}
             self._publish_final()
             for sink in self.recorder.sinks:
                 sink.flush()

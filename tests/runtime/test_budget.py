@@ -36,7 +36,8 @@ def test_an_odd_budget_on_three_workers_trains_exactly_its_tokens(strategy: str,
                         start_method="fork")
     assert summary["finished_ranks"] == [0, 1, 2]
     assert summary["tokens"] == ODD, summary["tokens"]
-    finals = [[json.loads(x) for x in (tmp_path / "metrics" / f"rank{r}.jsonl").read_text().splitlines()][-1]
-              for r in range(3)]
-    assert all(f["final"] and f["jobTokens"] == ODD for f in finals), [f["jobTokens"] for f in finals]
+    finals = [[m for m in map(json.loads, (tmp_path / "metrics" / f"rank{r}.jsonl").read_text().splitlines())
+               if m["final"]] for r in range(3)]
+    assert all(len(f) == 1 for f in finals), finals  # one final report per rank
+    assert all(f[0]["jobTokens"] == ODD for f in finals), [f[0]["jobTokens"] for f in finals]
     assert summary["final_val_loss"] < summary["initial_val_loss"]
