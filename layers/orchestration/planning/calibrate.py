@@ -37,9 +37,12 @@ def compare(bench: dict) -> list[dict]:
     opts = bench["options"]
     sites, workers = int(opts["sites"]), int(opts["workers_per_site"])
     mbps = float(opts.get("wan_mbps") or 10_000)
-    # the bench runs every site's workers on this one machine: a slot gets cpus / workers of a core
-    share = min(1.0, float(bench.get("machine", {}).get("cpus") or sites * workers) / (sites * workers))
-    offers = {f"c{i}": replace(local_slot_offer(f"c{i}", f"s{i}", workers), tflops=CPU_TFLOPS * share)
+    # the bench runs every site's workers on this one machine: they share its cores while they compute
+    # (perf.host_stretch); a --slow-site sleeps (slowdown − 1)× its compute: to the planner, a slower GPU
+    cores = float(bench.get("machine", {}).get("cpus") or sites * workers)
+    slow, slowdown = opts.get("slow_site"), float(opts.get("slowdown") or 1.0)
+    offers = {f"c{i}": replace(local_slot_offer(f"c{i}", f"s{i}", workers),
+                               tflops=CPU_TFLOPS / (slowdown if i == slow else 1.0))
               for i in range(sites)}
     links = [WanLink(f"s{i}", f"s{j}", mbps / 1000, 0.0, Decimal("0")) for i in range(sites) for j in range(i + 1, sites)]
     rows = []
@@ -52,7 +55,12 @@ def compare(bench: dict) -> list[dict]:
                               **{k: v for k, v in set_knobs.items() if v is not None},
                               autotuned=frozenset(k for k, v in set_knobs.items() if v is None))
         assignments = [Assignment(f"c{i}", f"s{i}", workers, "CPU") for i in range(sites)]
-        pred = perf.predict(req, assignments, strategy, offers, links)
+        ran = offers
+        if slowdown > 1 and "balanced shares" not in (r.get("resolved") or ""):
+            # equal shares: every rank waits for the slow site each step, as if every slot were that slow
+            # (its sleep holds no core, so the compute phase's sharing is the same: processor sharing)
+            ran = {c: replace(o, tflops=CPU_TFLOPS / slowdown) for c, o in offers.items()}
+        pred = perf.predict(req, assignments, strategy, ran, links, host_cores=cores)
         train_s = pred.total_seconds - pred.startup_seconds  # the bench times training, not an agent's start-up
         rows.append({"strategy": r["strategy"], "ran": r.get("resolved") or strategy,
                      "predicted_s": train_s, "measured_s": r["wall_seconds"], "ratio": r["wall_seconds"] / train_s,
@@ -64,9 +72,10 @@ def main(paths: list[str]) -> None:
     out = ["# Compute model calibration: predicted vs measured wall time and WAN bytes", "",
            "`python -m layers.orchestration.planning.calibrate " + " ".join(paths) + "`", "",
            "Measured = wall seconds and WAN bytes of `cpn bench training` on this 2-core machine; predicted = "
-           "`perf.predict` for the same placement (CPU slots, same WAN rate, the knobs the runtime resolved), "
-           "without the agents' start-up (the bench starts no agent). Ratio = measured / predicted; the "
-           "target is 0.75–1.33.", ""]
+           "`perf.predict` for the same placement (CPU slots, same WAN rate, the knobs the runtime resolved, "
+           "a `--slow-site` as a slot `--slowdown`× slower, `host_cores` = the machine's cores: the slots' "
+           "compute phase shares them, communication and waits do not), without the agents' start-up (the "
+           "bench starts no agent). Ratio = measured / predicted; the target is 0.75–1.33.", ""]
     for path in paths:
         bench = json.loads(Path(path).read_text())
         out += [f"## {bench['scenario']}", "", f"`{bench['command']}`", "",

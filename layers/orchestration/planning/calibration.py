@@ -6,9 +6,13 @@ their (lower) peak than parts whose peak outruns their memory bandwidth. The mod
 catalogue's peak TFLOPs by these factors, so only the products need to be right.
 
 Local slots (the `local` driver on a machine with no GPU) appear to the planner as a "GPU" of
-model ``CPU``: one slot is one core running fp32 PyTorch, measured at roughly 0.05 TFLOP/s of
-matmul on the development machines, of which a training step keeps about half busy; slots of one
-machine share memory (80 Gbit/s "NVLink") and machines talk over 10 Gbit/s Ethernet.
+model ``CPU``: one slot is one core running fp32 PyTorch at ``CPU_SLOT_TFLOPS`` of matmul peak, of
+which a training step of the built-in ``tiny`` LM gets 0.40: 0.040 TFLOP/s (6·parameters·tokens) per
+CPU-second, measured once on this machine (2026-11-25) with one torch thread, AdamW, 8 sequences × 128
+tokens (a bench rank's share of the 4,096-token batch), timed by the thread's CPU time so that other
+load on the shared machine does not count (200 steps a run, three runs: 0.0397–0.0409). Slots of one
+machine share memory (80 Gbit/s "NVLink") and machines talk over 10 Gbit/s Ethernet; slots that
+share a machine's cores are priced with ``perf.predict(host_cores=...)``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ MFU: dict[str, float] = {
     "A100": 0.45,
     "L40S": 0.35,
     "RTX4090": 0.30,
-    CPU_MODEL: 0.50,
+    CPU_MODEL: 0.40,  # measured: module docstring
 }
 
 

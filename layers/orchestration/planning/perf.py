@@ -49,11 +49,21 @@ Compression acts on the WAN leg only: the wire carries min(payload, 4 B · ratio
 ratio 0.5 for fp16/bf16 and (1 + 4/256)/4 for int8 with one fp32 scale per 256 values. So bf16
 gradients gain nothing from fp16/bf16, and a diloco pseudo-gradient halves or quarters.
 
-Steps = ⌈tokens · token_efficiency / tokens_per_step⌉: strategies that average less often or with
-stale values need more tokens for the same loss (:data:`TOKEN_EFFICIENCY`; rough figures from the
-local-SGD / DiLoCo / gossip literature). Total time = steps · (compute + exposed comm) +
-:data:`STARTUP_SECONDS`. Every GPU is billed for the whole run; WAN bytes are counted on the ring's
-hops (each site → its successor) and billed at that link's price per GB (10⁹ bytes).
+Steps = ⌈tokens / tokens_per_step⌉: the runtime trains exactly the token budget whatever the strategy,
+so that is what a quote prices. Strategies that average less often or with stale values reach a
+worse loss on that budget; :data:`TOKEN_EFFICIENCY` says how many more tokens they would need for
+ddp's loss, and the planner weighs strategies by it (:func:`steps_for`, ``Problem.evaluate``) without
+pricing those tokens — one meaning, shared with the runtime's own ``auto`` choice
+(``cpn.runtime.autotune.DILOCO_TOKEN_EFFICIENCY`` is diloco's entry). Total time = steps · (compute +
+exposed comm) + :data:`STARTUP_SECONDS`. Every GPU is billed for the whole run; WAN bytes are counted
+on the ring's hops (each site → its successor) and billed at that link's price per GB (10⁹ bytes).
+
+Slots sharing one host (``host_cores``: local sites on one machine — ``cpn bench training``,
+``cpn demo``): a synchronous step's ranks compute at once and then communicate, so while they
+compute, n slots share the host's C cores (processor sharing) and the compute phase stretches by
+max(1, n/C); communication and waits use no core and are not stretched. (Was: every slot's speed
+cut to C/n for the whole step, communication included, which over-predicted by up to 1.5× where a
+step is mostly communication or waiting.)
 """
 
 from __future__ import annotations
@@ -81,7 +91,7 @@ from layers.orchestration.planning.types import (
 
 __all__ = [
     "STARTUP_BY_DRIVER", "STARTUP_SECONDS", "TOKEN_EFFICIENCY", "TRAINING_STATE_BYTES", "flops_per_step", "predict",
-    "profile_factor",
+    "profile_factor", "budget_steps", "host_stretch",
     "Levels", "levels_of", "multilevel_comm", "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param",
     "wire_ratio", "worker_memory_gb", "micro_batches", "predict_pipeline", "stage_cuts", "stage_memory_gb",
 ]
@@ -97,9 +107,21 @@ INTRA_ALPHA_SECONDS = 10e-6
 # shrinks the WAN leg. (Was 2 for ddp/hierarchical, which halved their predicted traffic: measured
 # 118 MB vs 59 MB predicted on `cpn bench training --sites 2 --workers-per-site 2 --wan-mbps 20`.)
 GRADIENT_BYTES = 4
+
+
+def _diloco_token_efficiency() -> float:
+    """The runtime's ``auto`` weighs diloco by this too: one source."""
+    from cpn.runtime.autotune import DILOCO_TOKEN_EFFICIENCY
+
+    return DILOCO_TOKEN_EFFICIENCY
+
+
+# Tokens a strategy needs for the loss ddp reaches on the budget, over the budget: a weight for comparing
+# strategies, never more steps (the runtime trains exactly the budget). Rough figures from the local-SGD /
+# gossip / async literature; diloco's measured here (cpn/runtime/autotune.py).
 TOKEN_EFFICIENCY: dict[str, float] = {
-    "ddp": 1.0, "hierarchical": 1.0, "diloco": 1.0, "local_sgd": 1.03, "ssp": 1.02, "gossip": 1.08,
-    "async_ps": 1.10, "pipeline": 1.0,  # a pipeline is the same optimisation as one process (a runtime test)
+    "ddp": 1.0, "hierarchical": 1.0, "diloco": _diloco_token_efficiency(), "local_sgd": 1.03, "ssp": 1.02,
+    "gossip": 1.08, "async_ps": 1.10, "pipeline": 1.0,  # a pipeline is the same optimisation as one process
 }
 _INT8_CHUNK = 256
 # Every strategy keeps a whole replica on each worker: at the least its bf16 weights and gradients
@@ -131,8 +153,21 @@ def wan_bytes_per_param(strategy: str, compression: str | None) -> float:
     return GRADIENT_BYTES * wire_ratio(compression)
 
 
+def budget_steps(req: JobRequirements) -> int:
+    """The steps the runtime trains: the token budget, whatever the strategy."""
+    return math.ceil(req.tokens / req.global_batch_tokens)
+
+
 def steps_for(req: JobRequirements, strategy: str) -> int:
+    """Steps `strategy` would need for ddp's loss on the budget: what the solvers compare strategies by
+    (:data:`TOKEN_EFFICIENCY`); a quote prices :func:`budget_steps`."""
     return math.ceil(req.tokens * TOKEN_EFFICIENCY[strategy] / req.global_batch_tokens)
+
+
+def host_stretch(slots: int, host_cores: float | None) -> float:
+    """How much longer a step's compute phase takes when `slots` slots share `host_cores` cores and
+    compute at once (processor sharing); 1 when they do not share a host."""
+    return 1.0 if host_cores is None else max(1.0, slots / host_cores)
 
 
 def worker_memory_gb(req: JobRequirements) -> float:
@@ -318,10 +353,12 @@ def autotuned(req: JobRequirements, strategy: str, site_gpus: Mapping[str, int],
 
 
 def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
-            offers: dict[str, ClusterOffer], links: list[WanLink], ring: list[str] | None = None) -> Prediction:
+            offers: dict[str, ClusterOffer], links: list[WanLink], ring: list[str] | None = None,
+            host_cores: float | None = None) -> Prediction:
     """Predict time, bytes and cost of running `req` on `assignments` with `strategy`.
 
-    `ring` is the site order of the WAN collectives (default: :func:`ring.best_ring`). Raises
+    `ring` is the site order of the WAN collectives (default: :func:`ring.best_ring`). `host_cores`:
+    every slot of the placement runs on one host with this many cores (:func:`host_stretch`). Raises
     ValueError for an unknown strategy, an empty placement, or two adjacent ring sites with no link.
     """
     if strategy not in STRATEGIES:
@@ -340,7 +377,7 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
     wan_gbps, rtt_ms, ring_hops = _wan(ring, index)
     throughput = sum(a.gpus * calibration.effective_tflops(offers[a.cluster].gpu_model, offers[a.cluster].tflops)
                      for a in used) * 1e12
-    compute = flops_per_step(req) / throughput
+    compute = flops_per_step(req) / throughput * host_stretch(sum(site_gpus.values()), host_cores)
     req = autotuned(req, strategy, site_gpus, compute, wan_gbps, rtt_ms)
     intra_gbps = intra_gbps_by_site(used, offers)
     comm, sent = site_comm(req, strategy, compute, site_gpus, intra_gbps, wan_gbps, rtt_ms)
@@ -350,7 +387,7 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
     if levels is not None:
         cross, per_step = multilevel_comm(req, strategy, levels)
         comm = _intra_seconds(req, site_gpus, intra_gbps) + cross
-    steps = steps_for(req, strategy)
+    steps = budget_steps(req)
     comm = float(comm)
     factor, startup = _learned(req, strategy, used, offers)
     step = (compute + comm) * factor
@@ -550,7 +587,7 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
                                              INTRA_ALPHA_SECONDS)) for s in range(stages))
     slowest = max(compute)
     schedule = (micro + stages - 1) / micro * max(slowest, *link_s)
-    steps = steps_for(req, "pipeline")
+    steps = budget_steps(req)
     factor, startup = _learned(req, "pipeline", used, dict(offers))
     step = (schedule + tied_s + intra) * factor
     total = steps * step + startup

@@ -181,7 +181,8 @@ class Problem:
             return None
         if self.req.budget is not None and prediction.est_cost > float(self.req.budget):
             return None
-        value = float(self.score(prediction.est_cost, prediction.total_seconds))
+        weight = perf.TOKEN_EFFICIENCY[strategy]  # time and cost to ddp's loss: strategies compare by that
+        value = float(self.score(prediction.est_cost * weight, prediction.total_seconds * weight))
         return Plan(assignments, prediction, value, solver, ring)
 
 

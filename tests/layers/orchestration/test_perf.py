@@ -97,10 +97,30 @@ def test_heterogeneous_gpus_share_the_batch_by_throughput():
     assert p.compute_seconds_per_step == pytest.approx(6 * P * BATCH / (4 * 989e12 * 0.40 + 4 * 312e12 * 0.45))
 
 
-def test_token_efficiency_adds_steps():
+def test_every_strategy_is_priced_for_exactly_the_budget():
+    """The runtime trains exactly the token budget whatever the strategy: a quote prices those steps;
+    TOKEN_EFFICIENCY only weighs strategies against each other (steps to ddp's loss)."""
     offers, links, placement = two_sites()
-    assert perf.predict(job(), placement, "gossip", offers, links).steps == 10_800
-    assert perf.predict(job(), placement, "async_ps", offers, links).steps == 11_000
+    for strategy in ("ddp", "diloco", "gossip", "async_ps"):
+        assert perf.predict(job(), placement, strategy, offers, links).steps == 10_000
+    assert perf.steps_for(job(), "gossip") == 10_800 and perf.steps_for(job(), "async_ps") == 11_000
+
+
+def test_diloco_token_efficiency_is_the_runtimes():
+    from cpn.runtime.autotune import DILOCO_TOKEN_EFFICIENCY
+
+    assert perf.TOKEN_EFFICIENCY["diloco"] == DILOCO_TOKEN_EFFICIENCY
+
+
+def test_slots_sharing_a_host_stretch_only_the_compute_phase():
+    """Four slots on two cores: the compute phase takes twice as long, the WAN all-reduce does not."""
+    offers, links, placement = two_sites()
+    alone = perf.predict(job(), placement, "ddp", offers, links)
+    shared = perf.predict(job(), placement, "ddp", offers, links, host_cores=8)  # 16 slots on 8 cores
+    assert shared.compute_seconds_per_step == pytest.approx(2 * alone.compute_seconds_per_step)
+    assert shared.comm_seconds_per_step == pytest.approx(alone.comm_seconds_per_step)
+    roomy = perf.predict(job(), placement, "ddp", offers, links, host_cores=32)
+    assert roomy.step_seconds == pytest.approx(alone.step_seconds)
 
 
 def test_sites_without_a_link_are_unreachable():
