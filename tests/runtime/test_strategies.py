@@ -191,6 +191,17 @@ def test_balanced_shares_follow_measured_speed(tmp_path: Path) -> None:
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
 
 
+def test_balance_windows_split_early_then_keep_following_the_speeds() -> None:
+    from cpn.runtime.strategies.base import BALANCE_EVERY, BALANCE_WINDOWS, balance_window
+
+    (first, second), (_, last) = BALANCE_WINDOWS[0], BALANCE_WINDOWS[-1]
+    assert balance_window(first) == (None, first)  # measuring starts
+    assert balance_window(second) == (first, second)  # a split, and the next window starts
+    assert balance_window(last + BALANCE_EVERY) == (last, last + BALANCE_EVERY)
+    assert balance_window(last + 3 * BALANCE_EVERY) == (last + 2 * BALANCE_EVERY, last + 3 * BALANCE_EVERY)
+    assert balance_window(last + 1) == (None, None)
+
+
 def test_proportional_shares_sum_to_the_batch_and_leave_nobody_empty() -> None:
     from cpn.runtime.strategies.base import proportional_shares
 

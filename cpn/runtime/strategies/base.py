@@ -220,8 +220,24 @@ def proportional_shares(total: int, speeds: list[float]) -> list[int]:
     return shares
 
 
-# steps after which the balanced strategies re-measure every rank's speed and re-split the batch
+# steps after which the balanced strategies re-measure every rank's speed and re-split the batch: a
+# quick first split, a longer second one, then every BALANCE_EVERY steps over the steps since the last
+# split, so the shares follow speeds that drift (a shared machine, thermal limits, a site's other jobs)
 BALANCE_WINDOWS = ((1, 5), (5, 25))
+BALANCE_EVERY = 25
+
+
+def balance_window(step: int) -> tuple[int | None, int | None]:
+    """(whether ``step`` ends a measuring window: its start, else None; whether one starts at ``step``:
+    ``step``, else None) under :data:`BALANCE_WINDOWS` and :data:`BALANCE_EVERY`."""
+    last = BALANCE_WINDOWS[-1][1]
+    ends = {end: start for start, end in BALANCE_WINDOWS}
+    starts = {start for start, _ in BALANCE_WINDOWS}
+    if step >= last and (step - last) % BALANCE_EVERY == 0:
+        starts.add(step)
+        if step > last:
+            ends[step] = step - BALANCE_EVERY
+    return ends.get(step), step if step in starts else None
 BALANCE_THRESHOLD = 1.25  # speeds closer than this are taken as equal (the measurement's noise on shared CPUs)
 
 
@@ -289,33 +305,34 @@ class Strategy:
 
     def rebalance(self, step: int) -> None:
         """Throughput-proportional shares (``strategy.balance``): after ``step`` steps, at the ends of
-        :data:`BALANCE_WINDOWS`, every rank posts its speed over the window (sequences per busy second)
+        :data:`BALANCE_WINDOWS` and every :data:`BALANCE_EVERY` steps after them, every rank posts its speed over the window (sequences per busy second)
         on the job's store and all take the same new split of the global batch, so a synchronous step
         takes as long everywhere instead of waiting for the slowest. The weighted averages follow
         the shares. A rank that does not post within ``wan_timeout_seconds`` leaves the split as it was."""
         if not (self.balanced and self.cfg.strategy.balance):
             return
         ctx = self.ctx
-        for start, end in BALANCE_WINDOWS:
-            if step == start:
-                self._window = (ctx.busy_seconds, ctx.sequences_done)
-            if step != end or not hasattr(self, "_window"):
-                continue
-            busy, seqs = ctx.busy_seconds - self._window[0], ctx.sequences_done - self._window[1]
-            store = dist.PrefixStore("cpn/balance", ctx.store)
-            store.set(f"{end}/{ctx.rank}", repr(seqs / max(busy, 1e-9)))
-            world = ctx.groups.world_size
-            keys = [f"{end}/{r}" for r in range(world)]
-            with ctx.timers.timed("wait"):
-                present = wait_keys(store, keys, time.monotonic() + self.cfg.strategy.wan_timeout_seconds)
-            if len(present) < world:
-                return
-            speeds = [float(store.get(k)) for k in keys]
-            if max(speeds) <= BALANCE_THRESHOLD * min(speeds):  # equal hardware: noise, not a straggler
-                ctx.shares = self.cfg.shares(world)
-            else:
-                ctx.shares = proportional_shares(self.cfg.global_sequences, speeds)
-            ctx.micro_batch = ctx.shares[ctx.rank]
+        ended, started = balance_window(step)
+        window = getattr(self, "_window", None)
+        if started is not None:
+            self._window = (ctx.busy_seconds, ctx.sequences_done)
+        if ended is None or window is None:
+            return
+        busy, seqs = ctx.busy_seconds - window[0], ctx.sequences_done - window[1]
+        store = dist.PrefixStore("cpn/balance", ctx.store)
+        store.set(f"{step}/{ctx.rank}", repr(seqs / max(busy, 1e-9)))
+        world = ctx.groups.world_size
+        keys = [f"{step}/{r}" for r in range(world)]
+        with ctx.timers.timed("wait"):
+            present = wait_keys(store, keys, time.monotonic() + self.cfg.strategy.wan_timeout_seconds)
+        if len(present) < world:
+            return
+        speeds = [float(store.get(k)) for k in keys]
+        if max(speeds) <= BALANCE_THRESHOLD * min(speeds):  # equal hardware: noise, not a straggler
+            ctx.shares = self.cfg.shares(world)
+        else:
+            ctx.shares = proportional_shares(self.cfg.global_sequences, speeds)
+        ctx.micro_batch = ctx.shares[ctx.rank]
 
     def summary_extras(self) -> dict[str, Any]:
         """Strategy-specific figures for the run summary (rank 0, after :meth:`finish`)."""

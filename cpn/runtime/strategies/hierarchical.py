@@ -106,10 +106,14 @@ class GradBuckets:
 def allreduce_of(topology: Topology, compression: str | None) -> tuple[str, str | None]:
     """(algorithm, compression) for the gradients: ``multilevel`` with ``none/<compression>`` (metro
     links uncompressed, the long-haul level coded) when the sites span regions, a region holds more
-    than one site and the levels are even, else ``hierarchical`` with ``compression`` on its WAN leg
+    than one site and the levels are even; ``flat`` (the backend's own ring all-reduce, as ddp's) when
+    every site runs one worker: there the two-level split has no intra-site level, moves the same bytes
+    and only adds its per-slice staging; else ``hierarchical`` with ``compression`` on its WAN leg
     (with one site per region the two move the same bytes)."""
     if 1 < topology.num_regions < topology.num_sites and topology.is_regular:
         return "multilevel", None if compression is None else f"none/{compression}"
+    if all(site.ranks == 1 for site in topology.sites):  # no intra-site level: the two-level split is the ring
+        return "flat", compression
     return "hierarchical", compression
 
 
