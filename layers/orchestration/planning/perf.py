@@ -61,9 +61,8 @@ on the ring's hops (each site → its successor) and billed at that link's price
 Slots sharing one host (``host_cores``: local sites on one machine — ``cpn bench training``,
 ``cpn demo``): a synchronous step's ranks compute at once and then communicate, so while they
 compute, n slots share the host's C cores (processor sharing) and the compute phase stretches by
-max(1, n/C); communication and waits use no core and are not stretched. (Was: every slot's speed
-cut to C/n for the whole step, communication included, which over-predicted by up to 1.5× where a
-step is mostly communication or waiting.)
+max(1, n/C); communication and waits use no core and are not stretched. (calibrate.py used to cut
+each slot's TFLOPs to C/n itself, which is the same rule; it lives here now so any caller can use it.)
 """
 
 from __future__ import annotations
