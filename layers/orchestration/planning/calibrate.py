@@ -91,7 +91,7 @@ def main(paths: list[str]) -> None:
         out.append("")
     target = Path("docs/benchmarks/calibration.md")
     kept = target.read_text().partition(KEPT)[1:] if target.exists() else ()
-    target.write_text("\n".join(out) + "".join(kept))  # the hand-written sections (cpn demo, notes) stay
+    target.write_text("\n".join(out) + ("\n" + "".join(kept) if kept else ""))  # hand-written sections stay
     print("\n".join(out))
 
 
