@@ -107,13 +107,14 @@ async def list_tokens(session: AsyncSession, account: str | None = None, *, incl
 def token_id(ref: str) -> str:
     """The lookup id from `ID` or a `cpn_ID` / `cpn_ID_` prefix (never the whole token: secrets stay off
     command lines)."""
-    parts = ref.strip().split("_")
-    if parts[0] == "cpn" and len(parts) >= 2:
-        if len(parts) > 2 and parts[2]:
+    ref = ref.strip()
+    if ref.startswith("cpn_"):
+        lookup, _, secret = ref.removeprefix("cpn_").partition("_")
+        if secret:  # whatever follows cpn_<id>_ is the secret, even when it starts with "_" (base64url)
             raise errors.InvalidInput("give the token's id (the cpn_<id> prefix), not the whole token: "
                                       "a secret on a command line lands in shell history", field="id")
-        return parts[1]
-    return parts[0]
+        return lookup
+    return ref.split("_")[0]
 
 
 async def revoke(session: AsyncSession, ref: str | None = None, *, account: str | None = None) -> list[str]:
