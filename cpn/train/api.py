@@ -311,7 +311,6 @@ class Trainer:
         if self._finished:  # part of the run's final figures (e.g. the final model's val_loss); the
             # stream keeps one `final` report per rank, this one follows it
             self._final = {**self._final, **{k: v for k, v in report.items() if v is not None}, "final": True}
-            self._publish_final()
             for sink in self.recorder.sinks:
                 sink.flush()
 
@@ -361,15 +360,19 @@ class Trainer:
         if not self.strategy.global_budget:
             self.strategy.progress = cfg.tokens_through(self._step) / cfg.tokens
         self._final = self._emit(train_loss=None, final=True)
-        self._publish_final()
         for sink in self.recorder.sinks:  # kept open: the user may still report (e.g. a last val_loss)
             sink.flush()
         if self.ctx.rank == 0 and self.job.run_dir is not None:
             checkpoint.atomic_save(self.model.state_dict(), self.job.run_dir / FINAL_MODEL)
 
     def _publish_final(self) -> None:
-        """This rank's final figures on the job's store, where rank 0 sums the run up (:meth:`_close`)."""
-        self.ctx.store.set(f"cpn/final/{self.ctx.rank}", json.dumps(self._final))
+        """This rank's final figures on the job's store, where rank 0 sums the run up. Only at
+        :meth:`_close`, which every rank reaches and rank 0 outlives (it waits for the others' figures):
+        a rank that wrote after rank 0 left would find the store gone."""
+        try:
+            self.ctx.store.set(f"cpn/final/{self.ctx.rank}", json.dumps(self._final))
+        except Exception as exc:  # noqa: BLE001 - the run's summary is not worth a failed rank
+            print(f"cpn.train: could not publish rank {self.ctx.rank}'s final figures: {exc}", flush=True)
 
     def _close(self) -> dict[str, Any] | None:
         if self._closed:
@@ -377,6 +380,7 @@ class Trainer:
         self._closed = True
         if not self._finished:  # the loop stopped before the budget: end here (the summary says how far)
             self._finish()
+        self._publish_final()
         self.recorder.close()
         if self.ctx.rank != 0:
             return None
