@@ -391,12 +391,7 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
     factor, startup = _learned(req, strategy, used, offers)
     step = (compute + comm) * factor
     total = steps * step + startup
-    egress = {hop: b * steps for hop, b in per_step.items()}
-    gpu_seconds: dict[str, float] = {}
-    for a in used:
-        gpu_seconds[a.cluster] = gpu_seconds.get(a.cluster, 0.0) + a.gpus * total
-    cost = sum(s / 3600 * float(offers[c].price_per_gpu_hour) for c, s in gpu_seconds.items())
-    cost += sum(b / 1e9 * float(index[hop].price_per_gb) for hop, b in egress.items())
+    egress, gpu_seconds, cost = _bill(used, offers, index, per_step, steps, total)
     return Prediction(
         strategy=strategy, steps=steps, compute_seconds_per_step=compute, comm_seconds_per_step=comm,
         step_seconds=step, total_seconds=total, wan_bytes=sum(egress.values()),
@@ -590,12 +585,7 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
     factor, startup = _learned(req, "pipeline", used, dict(offers))
     step = (schedule + tied_s + intra) * factor
     total = steps * step + startup
-    egress = {hop: b * steps for hop, b in per_step.items()}
-    gpu_seconds: dict[str, float] = {}
-    for a in used:
-        gpu_seconds[a.cluster] = gpu_seconds.get(a.cluster, 0.0) + a.gpus * total
-    cost = sum(sec / 3600 * float(offers[c].price_per_gpu_hour) for c, sec in gpu_seconds.items())
-    cost += sum(b / 1e9 * float(index[hop].price_per_gb) for hop, b in egress.items())
+    egress, gpu_seconds, cost = _bill(used, offers, index, per_step, steps, total)
     intra_bytes = sum(2 * (width[s] - 1) * cuts[s][0] * GRADIENT_BYTES for s in range(stages))
     return Prediction(
         strategy="pipeline", steps=steps, compute_seconds_per_step=slowest * factor,
@@ -604,3 +594,16 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
         egress_bytes_by_link=egress, est_cost=cost, step_factor=factor, startup_seconds=startup,
         bubble_fraction=(stages - 1) / (micro + stages - 1),
     )
+
+
+def _bill(used: list[Assignment], offers: Mapping[str, ClusterOffer], index: Mapping[Key, WanLink],
+          per_step: Mapping[Key, float], steps: int, total: float) -> tuple[dict[Key, float], dict[str, float], float]:
+    """(egress bytes per hop, GPU-seconds per cluster, cost) of a run of ``steps`` steps lasting
+    ``total`` seconds: every used GPU is paid for the whole run, every hop for what it carried."""
+    egress = {hop: b * steps for hop, b in per_step.items()}
+    gpu_seconds: dict[str, float] = {}
+    for a in used:
+        gpu_seconds[a.cluster] = gpu_seconds.get(a.cluster, 0.0) + a.gpus * total
+    cost = sum(sec / 3600 * float(offers[c].price_per_gpu_hour) for c, sec in gpu_seconds.items())
+    cost += sum(b / 1e9 * float(index[hop].price_per_gb) for hop, b in egress.items())
+    return egress, gpu_seconds, cost
