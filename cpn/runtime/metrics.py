@@ -185,12 +185,19 @@ class Recorder:
                 log.warning("metrics sink %r failed: %s", sink, exc)
         return report
 
+    def flush(self) -> None:
+        """Send what the sinks hold; they stay open."""
+        self._each("flush")
+
     def close(self) -> None:
+        self._each("close")
+
+    def _each(self, method: str) -> None:
         for sink in self.sinks:
             try:
-                sink.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("metrics sink %r failed to close: %s", sink, exc)
+                getattr(sink, method)()
+            except Exception as exc:  # noqa: BLE001 - a sink never stops training
+                log.warning("metrics sink %r failed to %s: %s", sink, method, exc)
 
 
 def default_sinks(rank: int, run_dir: str | Path | None) -> list[MetricsSink]:

@@ -208,7 +208,6 @@ class Trainer:
         self._finished = False
         self._closed = False
         self._final: dict[str, Any] = {}
-        self._last_loss: float | None = None
         self._begin_step()
         self._since = time.perf_counter()
 
@@ -268,7 +267,6 @@ class Trainer:
         self._step += 1
         self._units += int(tokens)
         self.strategy.rebalance(self._step)
-        self._last_loss = value
         self._emit(train_loss=value)
         if self.strategy.checkpoint_due(self._step):
             self._checkpoint()
@@ -311,8 +309,7 @@ class Trainer:
         if self._finished:  # part of the run's final figures (e.g. the final model's val_loss); the
             # stream keeps one `final` report per rank, this one follows it
             self._final = {**self._final, **{k: v for k, v in report.items() if v is not None}, "final": True}
-            for sink in self.recorder.sinks:
-                sink.flush()
+            self.recorder.flush()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -360,8 +357,7 @@ class Trainer:
         if not self.strategy.global_budget:
             self.strategy.progress = cfg.tokens_through(self._step) / cfg.tokens
         self._final = self._emit(train_loss=None, final=True)
-        for sink in self.recorder.sinks:  # kept open: the user may still report (e.g. a last val_loss)
-            sink.flush()
+        self.recorder.flush()  # kept open: the user may still report (e.g. a last val_loss)
         if self.ctx.rank == 0 and self.job.run_dir is not None:
             checkpoint.atomic_save(self.model.state_dict(), self.job.run_dir / FINAL_MODEL)
 

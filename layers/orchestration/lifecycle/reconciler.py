@@ -143,16 +143,12 @@ class Reconciler:
         """The profile run (attempt 0, one sub-task): watch it like any attempt; when it is over, measure
         it and quote the job from the measurement; when it failed, the job fails with the reason."""
         subtasks = await self._subtasks(s, job)
+        states = await self._observe(s, job, subtasks)
         for t in subtasks:
-            state = (await self._observe(s, job, [t])).get(t.name)
+            state = states.get(t.name)
             if state is not None and state.phase != t.phase:
-                old, t.phase, t.message = t.phase, state.phase, state.message or t.message
                 t.exit_codes = {**(t.exit_codes or {}), **state.exit_codes}
-                if state.phase in DONE:
-                    t.finished_at = datetime.now(UTC)
-                await record_event(s, job.name, "Warning" if state.phase in ("Failed", "Lost") else "Normal",
-                                   f"Subtask{state.phase}", f"{t.name} (profile): {old} → {state.phase} "
-                                   f"{state.message}".strip(), subtask=t.name)
+                await self._move(s, job, t, state, " (profile)")
         verdict = profile.verdict(subtasks)
         if verdict.failure is not None:
             await self._finish(s, job, "Failed", "ProfileFailed", verdict.failure)
@@ -258,14 +254,18 @@ class Reconciler:
         if not live:
             await self._attempt_over(s, job, subtasks)
 
-    async def _transition(self, s: AsyncSession, job: JobRow, t: SubtaskRow, state: SubtaskState) -> None:
+    async def _move(self, s: AsyncSession, job: JobRow, t: SubtaskRow, state: SubtaskState, what: str = "") -> bool:
+        """Put sub-task ``t`` in its observed phase with its event; True when it failed or was lost."""
         old, t.phase, t.message = t.phase, state.phase, state.message or t.message
         failed = state.phase in ("Failed", "Lost")
         await record_event(s, job.name, "Warning" if failed else "Normal", f"Subtask{state.phase}",
-                           f"{t.name}: {old} → {state.phase} {state.message}".strip(), subtask=t.name)
+                           f"{t.name}{what}: {old} → {state.phase} {state.message}".strip(), subtask=t.name)
         if state.phase in DONE:
             t.finished_at = datetime.now(UTC)
-        if failed:
+        return failed
+
+    async def _transition(self, s: AsyncSession, job: JobRow, t: SubtaskRow, state: SubtaskState) -> None:
+        if await self._move(s, job, t, state):
             t.exit_codes = {**(t.exit_codes or {}), **state.exit_codes}
             update_status(job, failedSites=[*job.status.get("failedSites", []),
                                             {"attempt": t.attempt, "site": t.site, "killed": _killed(state)}])
