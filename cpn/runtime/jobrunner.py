@@ -90,11 +90,15 @@ class Relay:
             self.pending.clear()
             return
         try:
-            self.client.post(f"{self.spec.job_path}/metrics", json={"reports": self.pending[:500]})
-        except httpx.HTTPError as exc:  # the API may be restarting: keep and retry
+            response = self.client.post(f"{self.spec.job_path}/metrics", json={"reports": self.pending[:500]})
+            if response.status_code == 429 or response.status_code >= 500:
+                response.raise_for_status()
+        except httpx.HTTPError as exc:  # the API may be restarting or busy: keep and retry
             print(f"metrics relay: {exc}", file=sys.stderr, flush=True)
             self.pending = self.pending[-5000:]
             return
+        if response.is_error:  # refused for good (the job ended, a bad report): retrying cannot help
+            print(f"metrics relay: {response.status_code} {response.text[:200]}", file=sys.stderr, flush=True)
         del self.pending[:500]
 
 
@@ -313,18 +317,31 @@ def supervise(spec: AttemptSpec, run_dir: Path, job_dir: Path | None = None, *, 
         relay.flush()
         with contextlib.suppress(httpx.HTTPError, OSError):
             sync.push()
-        done = all(w.exit_code is not None for w in workers)
-        codes = {str(w.rank): w.exit_code for w in workers}
-        _write_status(run_dir, {"phase": "Finished" if done and runner == "Running" else runner,
-                                "message": message or note,
-                                "subtask": {"phase": phase, "exitCodes": codes, "pids": [w.proc.pid for w in workers]}})
-        if done:
+        if all(w.exit_code is not None for w in workers):
             break
+        _write_status(run_dir, _status(workers, runner, message or note))
         time.sleep(POLL_SECONDS)
+    _epilogue(workers, relay, sync, runner, run_dir, spec, client)
+    # only now does the site see the sub-task's end: its metrics, checkpoints and final weights are in
+    # the API before the job can turn Succeeded (a report sent after that is refused)
+    _write_status(run_dir, _status(workers, "Finished" if runner == "Running" else runner, _state(workers)[1] or note))
+    return exit_code(workers, runner)
+
+
+def _status(workers: list[Worker], runner: str, message: str) -> dict[str, Any]:
+    phase = _state(workers)[0]
+    codes = {str(w.rank): w.exit_code for w in workers}
+    return {"phase": runner, "message": message,
+            "subtask": {"phase": phase, "exitCodes": codes, "pids": [w.proc.pid for w in workers]}}
+
+
+def _epilogue(workers: list[Worker], relay: Relay, sync: CheckpointSync, runner: str, run_dir: Path,
+              spec: AttemptSpec, client: httpx.Client | None) -> None:
+    """After the workers exit: their last log lines, metrics, checkpoint files and final weights."""
     for w in workers:
         if w.tee is not None:
             w.tee.join(timeout=5)
-    for _ in range(5):
+    for _ in range(10):
         relay.collect()
         relay.flush()
         if not relay.pending:
@@ -337,7 +354,6 @@ def supervise(spec: AttemptSpec, run_dir: Path, job_dir: Path | None = None, *, 
             push_final(spec, run_dir, client)
         except (httpx.HTTPError, OSError) as exc:
             print(f"final weights upload failed: {exc}", file=sys.stderr, flush=True)
-    return exit_code(workers, runner)
 
 
 def exit_code(workers: list[Worker], runner: str = "Running") -> int:
