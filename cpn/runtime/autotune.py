@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from cpn.runtime.config import AUTO, StrategyConfig, TrainConfig
+from cpn.runtime.costmodel import CPU_SLOT_MFU, CPU_SLOT_TFLOPS
 from cpn.runtime.presets import PRESETS
 from cpn.runtime.topology import Topology
 
@@ -32,7 +33,13 @@ DILOCO_TOKEN_EFFICIENCY = 1.15  # measured here: diloco at H=20 matches ddp's lo
 # 20 Mbit/s), so anything above measurement noise is worth hiding; an unshaped link (rate unknown) has
 # nothing to hide. docs/runtime-training.md, "Defaults".
 OVERLAP_HIDE = 0.01
-CPU_FLOPS_PER_WORKER = 10e9  # a CPU worker's training throughput (fp32, this machine: ~14 GFLOP/s per core)
+# A CPU worker's wall-clock training rate: the planner's CPU slot (peak x MFU, 40 GFLOP per CPU-second) times
+# the share of a core a worker gets where several share a machine's cores and wait on each other — measured:
+# `cpn bench training --sites 2 --workers-per-site 2 --wan-mbps 20` diloco steps take 0.047 s on 2 cores, i.e.
+# ~10 GFLOP/s per worker. The rule only orders choices (and sets the overlap delay tau from it: with the
+# unshared 40 GFLOP/s tau became 3 there and the final val loss rose from 0.982x to 1.019x ddp's).
+CPU_WORKER_WALL_SHARE = 0.25
+CPU_FLOPS_PER_WORKER = CPU_SLOT_TFLOPS * 1e12 * CPU_SLOT_MFU * CPU_WORKER_WALL_SHARE
 GPU_FLOPS_PER_WORKER = 50e12  # a GPU worker's (bf16 at ~35-45 % MFU)
 
 

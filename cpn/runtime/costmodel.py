@@ -22,12 +22,22 @@ import os
 from dataclasses import dataclass
 
 __all__ = [
+    "CPU_SLOT_MFU",
+    "CPU_SLOT_TFLOPS",
     "CostParams",
     "lower_bound_seconds",
     "predict_multilevel_seconds",
     "predict_seconds",
     "wire_ratio",
 ]
+
+# One CPU slot (a core running fp32 PyTorch): its matmul peak (a 256² or 512² torch matmul, 1 thread: 0.099
+# TFLOP per CPU-second on this machine, timed by thread CPU time so other load does not count) and the share
+# of it a training step gets (0.040 TFLOP/s of 6·parameters·tokens per CPU-second, measured 2026-11-25:
+# docs/benchmarks/calibration.md). The planner prices "CPU" slots with them, the runtime's defaults order
+# strategies with them: one source.
+CPU_SLOT_TFLOPS = 0.10
+CPU_SLOT_MFU = 0.40
 
 _ETH_OVERHEAD = 1514 / 1448  # bytes on the wire per TCP payload byte, MTU 1500 with timestamps
 _INT8_CHUNK = 256

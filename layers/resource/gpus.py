@@ -10,6 +10,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from cpn.runtime.costmodel import CPU_SLOT_TFLOPS as CPU_SLOT_TFLOPS  # one source, re-exported
+
 
 @dataclass(frozen=True, kw_only=True)
 class GpuModelInfo:
@@ -37,10 +39,6 @@ CATALOGUE: tuple[GpuModelInfo, ...] = (
 )
 
 CPU_SLOT_MODEL = "CPU"
-# one core's fp32 matmul peak (a 256² or 512² torch matmul, 1 thread: 0.099 TFLOP per CPU-second on this
-# machine, timed by thread CPU time so other load does not count); the planner's MFU for "CPU" holds what a
-# training step gets of it (docs/benchmarks/calibration.md). One source.
-CPU_SLOT_TFLOPS = 0.10
 _BY_MODEL = {info.model: info for info in CATALOGUE}
 _MEMORY_RE = re.compile(r"(?<![0-9])(\d{2,3})GB")
 

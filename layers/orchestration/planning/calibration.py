@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+from cpn.runtime.costmodel import CPU_SLOT_MFU
 from layers.orchestration.planning.types import ClusterOffer
 from layers.resource.gpus import CPU_SLOT_TFLOPS
 
@@ -34,7 +35,7 @@ MFU: dict[str, float] = {
     "A100": 0.45,
     "L40S": 0.35,
     "RTX4090": 0.30,
-    CPU_MODEL: 0.40,  # measured: module docstring
+    CPU_MODEL: CPU_SLOT_MFU,  # measured: module docstring
 }
 
 
