@@ -12,7 +12,9 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from cpn.core.manifest import CamelModel, ManifestBase, Money
 from cpn.runtime import presets
 
-Strategy = Literal["auto", "ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "pipeline"]
+Strategy = Literal["auto", "ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "ps_sync",
+                   "ps_backup", "pipeline"]
+PS_STRATEGIES = ("async_ps", "ps_sync", "ps_backup")  # parameter servers: what spec.psReplicas is for
 DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # an OCI image reference: [registry[:port]/]path[:tag][@sha256:digest]
@@ -24,6 +26,16 @@ IMAGE_RE = (r"^(?:[A-Za-z0-9.-]+(?::[0-9]{1,5})?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-
 # here, then real-world sizes for pricing real clusters.
 MODEL_PRESETS: dict[str, dict[str, int]] = presets.shapes()
 RUNNABLE_PRESETS = frozenset(presets.PRESETS)
+
+
+def _runtime_default(knob: str) -> int:
+    """The runtime's default of a strategy knob (cpn/runtime/config.py: one source)."""
+    from cpn.runtime.config import StrategyConfig
+
+    return int(StrategyConfig.model_fields[knob].default)
+
+
+BACKUP_WORKERS = _runtime_default("backup_workers")  # what an unset spec.backupWorkers runs with
 
 
 class ModelSpec(CamelModel):
@@ -148,6 +160,12 @@ class TrainingJobSpec(CamelModel):
     compression: Literal["none", "fp16", "bf16", "int8"] | None = None
     overlap: bool | None = None
     staleness: int = Field(default=4, ge=0, le=1000)
+    backup_workers: int | None = Field(default=None, ge=0, le=1024, description=(
+        "ps_backup: pushes of a step the parameter servers do not wait for (the b slowest of the N workers'; "
+        f"dropped, their workers go on with the next step); below the job's workers; unset: {BACKUP_WORKERS}"))
+    ps_replicas: int | None = Field(default=None, ge=0, le=16, description=(
+        "async_ps, ps_sync, ps_backup: secondaries of each parameter shard, each on another site (the job "
+        "then spans at least psReplicas + 1 sites); unset: 0"))
     gpus: GpuRequest = Field(default_factory=GpuRequest)
     sites: SiteRequest = Field(default_factory=SiteRequest)
     placement: PlacementRequest = Field(default_factory=PlacementRequest)
@@ -199,6 +217,34 @@ class TrainingJobSpec(CamelModel):
                 "set strategy to pipeline (or auto), or drop pipelineStages"))
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _ps_knobs(cls, data: Any) -> Any:
+        """backupWorkers and psReplicas: only with the strategies that read them, and within the GPUs and
+        sites the job allows (a placement needs more workers than backups, a site per shard copy)."""
+        if not isinstance(data, dict):
+            return data
+        strategy = data.get("strategy", "auto")
+        for key, names in (("backupWorkers", ("ps_backup",)), ("psReplicas", PS_STRATEGIES)):
+            if data.get(key) is not None and strategy not in names:
+                raise _error_at((key,), "ps_strategy", data, (
+                    f"{key} is for strategy {' or '.join(names)}, not {strategy!r}: set strategy to "
+                    f"{names[-1]}, or drop {key}"))
+        backups, most = _count(data.get("backupWorkers"), BACKUP_WORKERS), _at_most(data, "gpus")
+        if strategy == "ps_backup" and most is not None and backups >= most:
+            unset = " (unset: the default)" if data.get("backupWorkers") is None else ""
+            raise _error_at(("backupWorkers",), "backup_workers", data, (
+                f"{backups} backup workers{unset} with at most {most} GPUs (spec.gpus.max): the servers wait for "
+                f"the first N−b pushes of N workers, so b must be below the job's workers; use at most "
+                f"{most - 1}, or raise spec.gpus.max"))
+        replicas, sites = data.get("psReplicas"), _at_most(data, "sites")
+        if sites is not None and isinstance(replicas, int) and replicas >= sites:
+            raise _error_at(("psReplicas",), "ps_replicas", data, (
+                f"{replicas} replicas of each parameter shard need {replicas + 1} sites (a primary and each "
+                f"secondary on a site of its own), spec.sites.max is {sites}: use at most {sites - 1}, or raise "
+                "spec.sites.max"))
+        return data
+
     @model_validator(mode="after")
     def _code(self) -> TrainingJobSpec:
         if self.code is not None and self.code.digest is None:
@@ -225,6 +271,32 @@ class TrainingJobSpec(CamelModel):
         if v is not None:
             deadline_seconds(v, datetime.now(UTC))
         return v
+
+
+def _count(value: Any, default: int) -> int:
+    """A knob's value as the before-validator sees it: its default when unset, 0 when not yet a number
+    (field validation then says what is wrong with it)."""
+    if value is None:
+        return default
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _at_most(data: dict[str, Any], key: str) -> int | None:
+    """spec.<key>.max as written (None when unset or not yet valid)."""
+    limit = data.get(key)
+    value = limit.get("max") if isinstance(limit, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def strategy_knobs(spec: TrainingJobSpec, strategy: str) -> dict[str, int]:
+    """The parameter-server knobs `strategy` runs with (TrainConfig.strategy's names): backup workers
+    for ps_backup, shard replicas for the three PS strategies; the runtime's defaults when unset."""
+    knobs: dict[str, int] = {}
+    if strategy == "ps_backup":
+        knobs["backup_workers"] = BACKUP_WORKERS if spec.backup_workers is None else spec.backup_workers
+    if strategy in PS_STRATEGIES and spec.ps_replicas:
+        knobs["ps_replicas"] = spec.ps_replicas
+    return knobs
 
 
 def _error_at(loc: tuple[str, ...], kind: str, data: Any, message: str) -> ValidationError:

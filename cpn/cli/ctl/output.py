@@ -102,6 +102,18 @@ def _tokens_text(done: int, asked: Any, trained: Any) -> str:
     return f"{done:,} of {trained:,}"
 
 
+def parameter_servers(strategy: Any) -> dict[str, Any] | None:
+    """What a parameter-server run really runs with (its TrainConfig's strategy, the spec's knobs and the
+    runtime's defaults applied): shards, copies of each, and ps_backup's backup workers. The orchestrator
+    sets the shard count (``ps``) for the parameter-server strategies only."""
+    if not isinstance(strategy, dict) or "ps" not in strategy:
+        return None
+    view = {"shards": strategy["ps"], "replicasPerShard": strategy.get("ps_replicas", 0)}
+    if strategy["name"] == "ps_backup":
+        view["backupWorkers"] = strategy.get("backup_workers")
+    return view
+
+
 def job_view(obj: dict[str, Any]) -> dict[str, Any]:
     """A TrainingJob as a person reads it: units on every figure (USD, s/min/h, tokens/s), no internals."""
     st = dict(obj.get("status") or {})
@@ -111,6 +123,9 @@ def job_view(obj: dict[str, Any]) -> dict[str, Any]:
     if st.get("predictedSeconds") is not None:
         view["predictedTime"] = duration_text(float(st["predictedSeconds"]))
     view["placement"] = st.get("placement")
+    servers = parameter_servers((st.get("train") or {}).get("strategy"))
+    if servers:
+        view["parameterServers"] = servers
     prog = st.get("progress") or {}
     if prog:
         view["progress"] = {

@@ -16,7 +16,7 @@ from layers.orchestration.planning.types import (
     workload_of,
 )
 from layers.resource.capacity import LinkView
-from layers.service.schemas import TrainingJobSpec, deadline_seconds
+from layers.service.schemas import TrainingJobSpec, deadline_seconds, strategy_knobs
 
 
 def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequirements:
@@ -28,16 +28,25 @@ def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequi
                          bytes_per_unit=shape.get("bytesPerUnit")),
         tokens=spec.tokens, global_batch_tokens=spec.global_batch_tokens, strategy=spec.strategy,
         compression=None if spec.compression in (None, "none") else spec.compression, staleness=spec.staleness,
-        gpus_min=spec.gpus.min, gpus_max=spec.gpus.max,
+        **_ps(spec), gpus_max=spec.gpus.max,
         **{k: v for k, v in (("inner_steps", spec.inner_steps), ("overlap", spec.overlap)) if v is not None},
         autotuned=frozenset(k for k in ("inner_steps", "compression", "overlap") if getattr(spec, k) is None),
-        gpu_models=frozenset(spec.gpus.models) or None, sites_min=spec.sites.min, sites_max=spec.sites.max,
+        gpu_models=frozenset(spec.gpus.models) or None, sites_max=spec.sites.max,
         regions=frozenset(spec.placement.regions) or None, sites=frozenset(spec.placement.sites) or None,
         exclude_sites=frozenset(spec.placement.exclude_sites), deadline_seconds=deadline,
         budget=Decimal(spec.budget) if spec.budget is not None else None, currency=spec.currency,
         workload=workload_of(spec.code.digest if spec.code is not None else None),
         stages=spec.parallelism.pipeline_stages if spec.parallelism else None,
         data_replicas=spec.parallelism.data_replicas if spec.parallelism else 1)
+
+
+def _ps(spec: TrainingJobSpec) -> dict[str, int]:
+    """The parameter-server knobs, and the least GPUs and sites they need: more workers than backup
+    workers, a site for each copy of a shard (schemas.py refuses a spec whose maxima cannot)."""
+    knobs = strategy_knobs(spec, spec.strategy)
+    backups, replicas = knobs.get("backup_workers", 0), knobs.get("ps_replicas", 0)
+    return {"backup_workers": backups, "ps_replicas": replicas, "gpus_min": max(spec.gpus.min, backups + 1),
+            "sites_min": max(spec.sites.min, replicas + 1)}
 
 
 def objective(spec: TrainingJobSpec) -> Objective:

@@ -6,7 +6,7 @@ from typing import Any
 
 from layers.control.topology import derive
 from layers.resource.capacity import LinkView
-from layers.service.schemas import MODEL_PRESETS, RUNNABLE_PRESETS, TrainingJobSpec
+from layers.service.schemas import MODEL_PRESETS, RUNNABLE_PRESETS, TrainingJobSpec, strategy_knobs
 
 
 def _elastic() -> frozenset[str]:
@@ -63,7 +63,8 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
     Strategy knobs the spec leaves unset stay unset (None): the runtime's autotune chooses them from
     the budget, the sites and the link (``cpn.runtime.autotune``), as for ``cpn train``. The
     parameter-server strategies get one server per site (``ps = sites``), the layout the compute
-    model prices (``layers.orchestration.planning.perf``)."""
+    model prices (``layers.orchestration.planning.perf``), and the spec's backupWorkers and
+    psReplicas (``schemas.strategy_knobs``)."""
     from cpn.runtime.strategies.async_ps import PS_STRATEGIES
 
     preset = spec.model.preset if not isinstance(spec.model, str) else spec.model  # type: ignore[union-attr]
@@ -84,6 +85,7 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
         "model": preset, "tokens": spec.tokens, "global_batch_tokens": batch, "seq_len": seq_len,
         "strategy": {"name": strategy, **knobs, "staleness": spec.staleness,
                      **({"ps": min(sites, workers)} if strategy in PS_STRATEGIES else {}),
+                     **strategy_knobs(spec, strategy),
                      **({"stages": sites} if strategy == "pipeline" else {})},
         "val_every": max(1, steps // 10), "seed": 0,
         # elastic strategies: often (a lost site rejoins from the latest); diloco rounds up to outer steps

@@ -22,6 +22,23 @@ all-reduce of the bf16 gradients, 2 B/param):
 | ssp | intra + max(0, (S−1)·K/B_wan + α_wan − H·compute)/H: every H steps each site sends its parameters to every other site from background threads (as the runtime does); bounded staleness lets compute run on meanwhile | fp32 parameters |
 | gossip | intra + max(0, K/B_wan + α_wan − H·compute)/H: every H steps one neighbour, in the background | fp32 parameters |
 | async_ps | W_s·(S−1)/S·K/B_wan + 2α_wan: every worker pushes its gradient to and pulls parameters from servers sharded over the sites, and waits for its pull | fp32 gradients |
+| ps_sync | as async_ps; the servers answer once every worker's push of the step is in, so the step waits for the slowest worker: compute = max_i c_i (below) | fp32 gradients |
+| ps_backup | as async_ps; the servers answer once the first N−b pushes are in: see below | fp32 gradients |
+
+Synchronous parameter servers (N workers, each computing an equal share of the step, as the runtime
+splits it for these modes: c_i = FLOPs per step / N / worker i's effective FLOP/s; x = the exposed
+communication above): ``ps_sync`` takes t_sync = max_i c_i + x per step. ``ps_backup`` applies a
+step once the (N−b)-th fastest push is in, t_q = c_(N−b) + x (c sorted ascending, b =
+``backupWorkers``); a worker slower than that pushes at its own pace t_i = c_i + x, its push is
+dropped and counts toward the token budget all the same (the runtime counts every computed push),
+so a global batch of computed tokens takes t_backup = N / Σ_i 1/max(t_i, t_q). b = 0 gives t_sync;
+homogeneous workers give t_sync too; one site 2× slower of three (b = 1) gives 1.2 c + x against
+2 c + x. The WAN bytes are async_ps's (every push crosses, the dropped ones too).
+
+Replicas (``psReplicas`` = r, any PS strategy): each shard's primary forwards every update to its r
+secondaries on the next sites before it answers, u · r · K/S bytes per site and step (u = 1 update
+per step for ps_sync/ps_backup, N for async_ps: every push), counted on the site's ring hop and
+added to the exposed communication as u · r · K/S / B_wan + r·α_wan.
 
 Hierarchical across regions: when the placement's sites span G regions of R > 1 sites each (the
 clusters' regions; equal GPUs per site, as the runtime needs), the runtime runs the ``multilevel``
@@ -79,6 +96,7 @@ import numpy as np
 from layers.orchestration.planning import calibration
 from layers.orchestration.planning.ring import Key, best_ring, hops, link_index
 from layers.orchestration.planning.types import (
+    PS_STRATEGIES,
     STRATEGIES,
     Assignment,
     ClusterOffer,
@@ -93,6 +111,7 @@ __all__ = [
     "profile_factor", "budget_steps", "host_stretch",
     "Levels", "levels_of", "multilevel_comm", "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param",
     "wire_ratio", "worker_memory_gb", "micro_batches", "predict_pipeline", "stage_cuts", "stage_memory_gb",
+    "barrier_step",
 ]
 
 # Launching → Running before any lesson: a Kubernetes pod is scheduled, pulls its image and meets
@@ -121,6 +140,9 @@ def _diloco_token_efficiency() -> float:
 TOKEN_EFFICIENCY: dict[str, float] = {
     "ddp": 1.0, "hierarchical": 1.0, "diloco": _diloco_token_efficiency(), "local_sgd": 1.03, "ssp": 1.02,
     "gossip": 1.08, "async_ps": 1.10, "pipeline": 1.0,  # a pipeline is the same optimisation as one process
+    # ps_sync: one optimiser step on the mean of every push, ddp's step; ps_backup drops up to b pushes a
+    # step (+1.5 % ± 1.9 points val loss against ps_sync over five seeds, docs/benchmarks/training-notes.md)
+    "ps_sync": 1.0, "ps_backup": 1.05,
 }
 _INT8_CHUNK = 256
 # Every strategy keeps a whole replica on each worker: at the least its bf16 weights and gradients
@@ -238,9 +260,15 @@ def site_comm(req: JobRequirements, strategy: str, compute_s: Any, site_gpus: Ma
         peers = sites - 1 if strategy == "ssp" else 1
         send = peers * k * 8 / (wan_gbps * 1e9) + alpha
         return intra + np.maximum(0.0, send - h * compute_s) / h, dict.fromkeys(site_gpus, peers * k / h)
-    if strategy == "async_ps":
+    if strategy in PS_STRATEGIES:
         out = {s: w * (sites - 1) / sites * k for s, w in site_gpus.items()}
-        return reduce(np.maximum, list(out.values())) * 8 / (wan_gbps * 1e9) + 2 * alpha, out
+        seconds = reduce(np.maximum, list(out.values())) * 8 / (wan_gbps * 1e9) + 2 * alpha
+        if req.ps_replicas:  # each primary forwards every update to its secondaries before it answers
+            updates = sum(site_gpus.values()) if strategy == "async_ps" else 1
+            forward = updates * req.ps_replicas * k / sites
+            out = {s: v + forward for s, v in out.items()}
+            seconds = seconds + forward * 8 / (wan_gbps * 1e9) + req.ps_replicas * alpha
+        return seconds, out
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 
@@ -388,6 +416,9 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
         comm = _intra_seconds(req, site_gpus, intra_gbps) + cross
     steps = budget_steps(req)
     comm = float(comm)
+    if strategy in ("ps_sync", "ps_backup"):  # the servers' barrier: the step waits for a slow worker
+        backups = req.backup_workers if strategy == "ps_backup" else 0
+        compute = barrier_step(_worker_compute(req, used, offers, host_cores), comm, backups) - comm
     factor, startup = _learned(req, strategy, used, offers)
     step = (compute + comm) * factor
     total = steps * step + startup
@@ -398,6 +429,24 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
         intra_bytes=_intra_bytes(req, site_gpus) * steps, gpu_seconds_by_cluster=gpu_seconds,
         egress_bytes_by_link=egress, est_cost=cost, step_factor=factor, startup_seconds=startup,
     )
+
+
+def _worker_compute(req: JobRequirements, used: list[Assignment], offers: Mapping[str, ClusterOffer],
+                    host_cores: float | None) -> list[float]:
+    """Each worker's compute seconds for an equal share of the step (the PS modes do not balance)."""
+    n = sum(a.gpus for a in used)
+    share = flops_per_step(req) / n * host_stretch(n, host_cores)
+    return [share / (calibration.effective_tflops(offers[a.cluster].gpu_model, offers[a.cluster].tflops) * 1e12)
+            for a in used for _ in range(a.gpus)]
+
+
+def barrier_step(compute_s: list[float], comm_s: float, backups: int) -> float:
+    """Seconds per global batch of computed tokens when N workers (compute ``compute_s`` each, then
+    ``comm_s``) meet at parameter servers that apply a step from its first N − ``backups`` pushes:
+    N / Σ_i 1/max(t_i, t_q), t_i = c_i + comm, t_q the (N − b)-th fastest t_i (b = 0: the slowest)."""
+    times = sorted(c + comm_s for c in compute_s)
+    quorum = times[max(0, len(times) - backups - 1)]
+    return len(times) / sum(1 / max(t, quorum) for t in times)
 
 
 def _learned(req: JobRequirements, strategy: str, used: list[Assignment],

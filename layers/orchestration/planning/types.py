@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 # pipeline: the model cut into one contiguous stage per site (planning/pipeline.py); the others are data parallel
-STRATEGIES = ("ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "pipeline")
+STRATEGIES = ("ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "ps_sync", "ps_backup",
+              "pipeline")
+PS_STRATEGIES = ("async_ps", "ps_sync", "ps_backup")  # parameter servers, one shard per site
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,10 @@ class JobRequirements:
     compression: str | None = None  # None | "fp16" | "bf16" | "int8"
     overlap: bool = True
     staleness: int = 4
+    # ps_backup: the b late pushes of a step the servers drop (jobs/requirements.py fills it from
+    # spec.backupWorkers, or the runtime's default when unset)
+    backup_workers: int = 0
+    ps_replicas: int = 0  # PS strategies: secondaries of each shard, each on another site (spec.psReplicas)
     gpus_min: int = 1
     gpus_max: int | None = None
     gpu_models: frozenset[str] | None = None
