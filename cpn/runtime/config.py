@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,6 +22,8 @@ FINAL_MODEL = "final_model.pt"  # rank 0 writes the final weights in the run dir
 
 StrategyName = Literal["ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "ps_sync",
                        "ps_backup", "pipeline"]
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)  # one source: the job schema and the planner take these
+PS_STRATEGIES = ("async_ps", "ps_sync", "ps_backup")  # the parameter-server family: the servers own the optimiser
 Compression = Literal["none", "fp16", "bf16", "int8"]
 AUTO = "auto"
 DeviceKind = Literal["auto", "cuda", "cpu"]

@@ -11,10 +11,9 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from cpn.core.manifest import CamelModel, ManifestBase, Money
 from cpn.runtime import presets
+from cpn.runtime.config import PS_STRATEGIES, STRATEGIES
 
-Strategy = Literal["auto", "ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "ps_sync",
-                   "ps_backup", "pipeline"]
-PS_STRATEGIES = ("async_ps", "ps_sync", "ps_backup")  # parameter servers: what spec.psReplicas is for
+Strategy = Literal.__getitem__(("auto", *STRATEGIES))  # the runtime's strategies (one source) and "auto"
 DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # an OCI image reference: [registry[:port]/]path[:tag][@sha256:digest]

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from cpn.runtime import faults
+from cpn.runtime.config import PS_STRATEGIES as PS_STRATEGIES  # re-exported: strategies import it from here
 from cpn.runtime.config import TrainConfig
 from cpn.runtime.device import HOST
 from cpn.runtime.strategies import ps_replicas
@@ -56,7 +57,6 @@ from cpn.runtime.strategies.ps_replicas import FWD_LEAVE, FWD_UPDATE, HEADER
 from cpn.runtime.topology import Topology
 
 OP_PUSH, OP_PULL, OP_LEAVE = 0.0, 1.0, 2.0
-PS_STRATEGIES = ("async_ps", "ps_sync", "ps_backup")  # the servers own the optimiser
 STALENESS = "cpn/ps/staleness"
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-# pipeline: the model cut into one contiguous stage per site (planning/pipeline.py); the others are data parallel
-STRATEGIES = ("ddp", "hierarchical", "local_sgd", "diloco", "gossip", "ssp", "async_ps", "ps_sync", "ps_backup",
-              "pipeline")
-PS_STRATEGIES = ("async_ps", "ps_sync", "ps_backup")  # parameter servers, one shard per site
+# the runtime's strategies, one source (pipeline: the model cut into one contiguous stage per site,
+# planning/pipeline.py; the others are data parallel; PS_STRATEGIES: parameter servers, one shard per site)
+from cpn.runtime.config import PS_STRATEGIES as PS_STRATEGIES
+from cpn.runtime.config import STRATEGIES as STRATEGIES
 
 
 @dataclass(frozen=True)
