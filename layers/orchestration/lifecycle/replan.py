@@ -1,5 +1,8 @@
 """Re-placing a job after a site failure: synchronous strategies restart from their latest
-checkpoint on a new placement drawn from live capacity, never on the failed sites."""
+checkpoint on a new placement drawn from live capacity, never on the failed sites. A pipeline is
+re-placed as a pipeline of as many stages as before: its checkpoint holds one file per stage, each
+the state of that stage's cut (``cpn.runtime.strategies.pipeline``), so stage s resumes from
+``site{s}.pt`` on whichever site now runs it, and a different cut could not load them."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from layers.orchestration.jobs import data as job_data
 from layers.orchestration.jobs.requirements import objective, planner_inputs, requirements
 from layers.orchestration.jobs.workflow import solver_for
 from layers.orchestration.planning import placement
+from layers.orchestration.planning.types import JobRequirements
 from layers.service.contracts import subtask_name
 from layers.service.models import JobRow
 from layers.service.schemas import TrainingJobSpec
@@ -28,12 +32,16 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
     if job.status.get("strategy"):
         req = dataclasses.replace(req, strategy=job.status["strategy"])
     req = dataclasses.replace(req, exclude_sites=frozenset(req.exclude_sites | failed_sites),
-                              data=await job_data.need_of_job(s, job))  # residency holds on the new sites too
+                              data=await job_data.need_of_job(s, job),  # residency holds on the new sites too
+                              stages=stages_of(job.status["placement"]) or req.stages)
     await leases.release(s, job.name, "re-placing after a site failure")
     await s.flush()
     pool_offers, links, _ = await capacity.snapshot(s, heartbeat_timeout)
     offers, wan = planner_inputs(pool_offers, links, spec.currency)
-    plan = placement.plan(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
+    try:
+        plan = placement.plan(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
+    except errors.Infeasible as exc:
+        raise _infeasible(req, exc, failed_sites, {o.site for o in offers}) from exc
     wants = [leases.Want(subtask=subtask_name(job.name, a.cluster), cluster=a.cluster.split("/")[0], gpus=a.gpus)
              for a in plan.assignments]
     try:
@@ -46,6 +54,27 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
     return [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
              "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage})}
             for a in plan.assignments]
+
+
+def stages_of(placement_lines: list[dict]) -> int | None:
+    """How many pipeline stages a placement runs (None: it is not a pipeline)."""
+    stages = {int(p["stage"]) for p in placement_lines if p.get("stage") is not None}
+    return len(stages) or None
+
+
+def _infeasible(req: JobRequirements, exc: errors.Infeasible, failed: set[str], live: set[str]) -> errors.Infeasible:
+    """The planner's reason after the failure; for a pipeline left with fewer sites than the stages its
+    checkpoint holds, that (the lost sites' fault, no field of the spec's)."""
+    head = f"no placement without the failed site(s) {sorted(failed)}: "
+    if req.stages is None or req.strategy != "pipeline":
+        return errors.Infeasible(head + exc.message, field=exc.field)
+    left = sorted(live - req.exclude_sites)
+    if len(left) >= req.stages:
+        return errors.Infeasible(f"{head}its checkpoint holds {req.stages} pipeline stages: {exc.message}",
+                                 field=exc.field)
+    return errors.Infeasible(f"{head}its checkpoint holds {req.stages} pipeline stages, each to resume on a site of "
+                             f"its own (one stage per site), and only {len(left)} live site(s) remain "
+                             f"({', '.join(left) or 'none'})")
 
 
 def ring_of(plan_ring: list[str], placement_lines: list[dict]) -> list[str]:
