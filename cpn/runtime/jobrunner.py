@@ -110,7 +110,27 @@ class CheckpointSync:
     root: Path
     spec: AttemptSpec
     client: httpx.Client | None
-    sent: set[str] = field(default_factory=set)
+    sent: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (mtime_ns, size) uploaded
+
+    def _mark(self, name: str, path: Path | None = None) -> None:
+        st = path.stat() if path is not None else None
+        self.sent[name] = (st.st_mtime_ns, st.st_size) if st else (0, 0)
+
+    def _unsent(self, name: str, path: Path) -> bool:
+        """Not uploaded yet, or rewritten since (a resumed attempt saving a step again)."""
+        st = path.stat()
+        return self.sent.get(name) != (st.st_mtime_ns, st.st_size)
+
+    def prune_after(self, step: int) -> None:
+        """Drop this site's checkpoint folders newer than the step a new attempt resumes from: they
+        belong to the abandoned run (never completed at the API), and must not be uploaded as this
+        attempt's."""
+        if not self.root.exists():
+            return
+        for folder in self.root.glob("step-*"):
+            with contextlib.suppress(ValueError):
+                if int(folder.name.removeprefix("step-")) > step:
+                    shutil.rmtree(folder, ignore_errors=True)
 
     def _base(self) -> str:
         return f"{self.spec.job_path}/checkpoints"
@@ -135,7 +155,7 @@ class CheckpointSync:
                     for chunk in r.iter_bytes():
                         fh.write(chunk)
                 os.replace(tmp, target)
-            self.sent.add(name)
+            self._mark(name, target)
         checkpoint.atomic_write_json({"step": latest["step"], "sites": latest["sites"]}, self.root / checkpoint.LATEST)
         return int(latest["step"])
 
@@ -144,16 +164,17 @@ class CheckpointSync:
             return
         for path in sorted(self.root.glob("step-*/*.pt")):
             name = f"{path.parent.name}/{path.name}"
-            if name not in self.sent:
+            if self._unsent(name, path):
                 with path.open("rb") as fh:
                     self.client.put(f"{self._base()}/{name}", content=fh).raise_for_status()
-                self.sent.add(name)
+                self._mark(name, path)
         info = checkpoint.latest(self.root)
         if info and self.spec.leads_rendezvous:  # rank 0's site commits the step once its files are up
             marker = f"{checkpoint.step_dir(Path(''), info['step']).name}/{checkpoint.LATEST}"
-            if marker not in self.sent:
+            latest = self.root / checkpoint.LATEST
+            if self._unsent(marker, latest):
                 self.client.put(f"{self._base()}/{marker}", content=json.dumps(info).encode()).raise_for_status()
-                self.sent.add(marker)
+                self._mark(marker, latest)
 
 
 def _last_error(log: Path) -> str:
@@ -282,6 +303,7 @@ def _prepare(spec: AttemptSpec, sync: CheckpointSync) -> tuple[AttemptSpec, str]
     if step is None:
         train = spec.train.model_copy(update={"resume": None})
         return spec.model_copy(update={"train": train}), "no complete checkpoint exists: starting from step 0"
+    sync.prune_after(step)
     train = spec.train.model_copy(update={"resume": str(sync.root)})
     return spec.model_copy(update={"train": train}), f"resuming from the checkpoint of step {step}"
 

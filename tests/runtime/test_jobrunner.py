@@ -80,3 +80,32 @@ def test_the_sub_task_ends_only_after_its_last_metrics_are_sent(tmp_path: Path,
     assert phase_when_sent and "Succeeded" not in phase_when_sent, phase_when_sent
     final = json.loads((run_dir / "status.json").read_text())
     assert final["phase"] == "Finished" and final["subtask"]["phase"] == "Succeeded"
+
+
+def test_a_resumed_attempt_uploads_its_own_checkpoints_not_the_abandoned_runs(tmp_path: Path) -> None:
+    """A site that survived a failure holds step folders newer than the step the next attempt resumes
+    from (never complete at the API): they are dropped, and a step the new attempt saves again is
+    uploaded again (the name alone said "sent")."""
+    puts: list[tuple[str, bytes]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        puts.append((request.url.path.rsplit("/checkpoints/", 1)[1], request.content))
+        return httpx.Response(201, json={})
+
+    root = tmp_path / "checkpoints"
+    for step, body in ((20, b"old-20"), (30, b"old-30")):
+        (root / f"step-{step:08d}").mkdir(parents=True)
+        (root / f"step-{step:08d}" / "site0.pt").write_bytes(body)
+    sync = jobrunner.CheckpointSync(root, spec_of(), httpx.Client(base_url="http://api.test",
+                                                                  transport=httpx.MockTransport(handler)))
+    sync.prune_after(20)  # the attempt resumes from step 20
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000020"]
+    sync.push()
+    assert [name for name, _ in puts] == ["step-00000020/site0.pt"]
+    (root / "step-00000030").mkdir()
+    (root / "step-00000030" / "site0.pt").write_bytes(b"new-30")
+    sync.push()
+    path = root / "step-00000020" / "site0.pt"
+    path.write_bytes(b"new-20, rewritten")  # the same step saved again
+    sync.push()
+    assert puts[1:] == [("step-00000030/site0.pt", b"new-30"), ("step-00000020/site0.pt", b"new-20, rewritten")]
