@@ -232,7 +232,7 @@ async def _create_token(settings: Settings, name: str, role: str, *, init: bool 
 @main.group(cls=LazyGroup, lazy={
     "collectives": "cpn.runtime.cli_collectives:bench_collectives_cmd",
     "training": "cpn.runtime.cli_train:bench_training_cmd",
-    "pipeline": "cpn.runtime.bench_pipeline:bench_pipeline_cmd",
+    "pipeline": "cpn.cli.bench_pipeline:bench_pipeline_cmd",
     "scheduler": "cpn.cli.bench:bench_scheduler_cmd",
     "quotes": "cpn.cli.bench_api:bench_quotes_cmd",
     "api": "cpn.cli.bench_heartbeats:bench_api_cmd",

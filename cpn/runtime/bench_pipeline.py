@@ -6,6 +6,10 @@ Each run goes through :func:`cpn.runtime.train.run_local` (WAN-shaped network na
 plot, and ``<out>/pipeline.md`` is regenerated from it with the issue's targets checked:
 the pipeline's WAN bytes at most a tenth of ddp's, the pipeline reaching ddp's final loss (within
 1 %) sooner than ddp, and its bubble at most ``(P-1)/(M+P-1)`` + 0.10.
+
+With ``gpu_memory_gb`` (the memory each site's GPU declares) a strategy whose placement does not fit
+is not run: its row says ``feasible: false`` and why. The verdict is the planner's memory model, which
+the runtime does not import: the face (:mod:`cpn.cli.bench_pipeline`) passes it in as a :data:`Fit`.
 """
 
 from __future__ import annotations
@@ -15,11 +19,10 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import click
 
 from cpn.runtime.config import StrategyConfig, TrainConfig
 from cpn.runtime.topology import Topology
@@ -42,8 +45,11 @@ class PipelineBenchOptions:
     global_batch: int = 4096
     micro_batches: int = 8
     lr: float = 3e-3
+    gpu_memory_gb: float | None = None  # what each site's GPU (slot) declares; None: no memory check
 
     def __post_init__(self) -> None:
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ValueError(f"gpu_memory_gb {self.gpu_memory_gb:g}: give the GB each GPU declares, above 0")
         for spec in self.strategies:
             name, *mods = spec.split("+")
             if name not in ("ddp", "pipeline") or (mods and (name != "pipeline" or len(mods) > 1 or mods[0] not in CODECS)):
@@ -79,10 +85,34 @@ def time_to_loss(curve: list[dict[str, Any]], target: float | None) -> float | N
     return next((p["wall"] for p in curve if p["val"] is not None and p["val"] <= target), None)
 
 
+# (strategy spec, options) -> None when its placement fits the declared GPU memory, else why not
+Fit = Callable[[str, PipelineBenchOptions], str | None]
+RESULT_KEYS = ("wall_seconds", "final_val_loss", "wan_bytes", "bubble_fraction", "tokens", "wan_activation_bytes",
+               "wan_gradient_bytes", "wan_eval_bytes", "bubble_ideal", "stages", "initial_val_loss",
+               "compute_utilization", "time_to_ddp_loss_seconds")
+
+
+def infeasible_result(label: str, reason: str) -> dict[str, Any]:
+    """The row of a strategy that was not run: every figure None."""
+    return {"strategy": label, "feasible": False, "reason": reason, **dict.fromkeys(RESULT_KEYS)}
+
+
+def verdicts(opts: PipelineBenchOptions, fit: Fit | None) -> dict[str, str | None]:
+    """Each strategy's reason not to run (None: it runs); every one runs without a declared memory."""
+    if opts.gpu_memory_gb is None:
+        return dict.fromkeys(opts.strategies)
+    if fit is None:
+        raise ValueError("gpu_memory_gb needs the planner's memory model: run `cpn bench pipeline --gpu-memory-gb`")
+    out = {spec: fit(spec, opts) for spec in opts.strategies}
+    if all(out.values()):
+        raise ValueError("--gpu-memory-gb: no strategy fits: " + "; ".join(f"{k}: {v}" for k, v in out.items()))
+    return out
+
+
 def result_of(label: str, s: dict[str, Any], ddp_loss: float | None) -> dict[str, Any]:
     pipeline = s["strategy"] == "pipeline"
     return {
-        "strategy": label, "wall_seconds": s["wall_seconds"], "final_val_loss": s["final_val_loss"],
+        "strategy": label, "feasible": True, "reason": None, "wall_seconds": s["wall_seconds"], "final_val_loss": s["final_val_loss"],
         "wan_bytes": s["wan_bytes"], "bubble_fraction": s.get("bubble_fraction"), "tokens": s["tokens"],
         "wan_activation_bytes": s.get("wan_activation_bytes", 0),
         "wan_gradient_bytes": s.get("wan_gradient_bytes", 0) if pipeline else s["wan_bytes"],
@@ -95,7 +125,7 @@ def result_of(label: str, s: dict[str, Any], ddp_loss: float | None) -> dict[str
 
 def targets(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each pipeline run held against the issue's three targets (None: no ddp run to compare with)."""
-    ddp = next((r for r in results if r["strategy"] == "ddp"), None)
+    ddp = next((r for r in results if r["strategy"] == "ddp" and r.get("feasible", True)), None)
     out = {}
     for r in results:
         if r["bubble_fraction"] is None:
@@ -113,12 +143,14 @@ def targets(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run_benchmark(opts: PipelineBenchOptions, out_dir: Path) -> dict[str, Any]:
+def run_benchmark(opts: PipelineBenchOptions, out_dir: Path, fit: Fit | None = None) -> dict[str, Any]:
     from cpn.runtime.autotune import resolve
     from cpn.runtime.train import preflight, run_local
 
     topology = Topology.uniform(opts.sites, opts.workers_per_site)
-    planned = [(spec, resolve(train_config(spec, opts), topology, opts.wan_mbps)) for spec in opts.strategies]
+    why_not = verdicts(opts, fit)
+    planned = [(spec, resolve(train_config(spec, opts), topology, opts.wan_mbps))
+               for spec in opts.strategies if why_not[spec] is None]
     for _, cfg in planned:  # every run's config is checked before the first one starts
         preflight(cfg, topology)
     summaries = {}
@@ -126,7 +158,8 @@ def run_benchmark(opts: PipelineBenchOptions, out_dir: Path) -> dict[str, Any]:
         run_dir = Path(tempfile.gettempdir()) / "cpn-bench-pipeline" / label
         summaries[label] = run_local(cfg, topology, wan_mbps=opts.wan_mbps, run_dir=run_dir, timeout=3 * 3600)
     ddp_loss = summaries["ddp"]["final_val_loss"] if "ddp" in summaries else None
-    results = [result_of(label, s, ddp_loss) for label, s in summaries.items()]
+    results = [infeasible_result(label, why_not[label]) if why_not[label] else result_of(label, summaries[label], ddp_loss)
+               for label in opts.strategies]
     report = {
         "command": command_line(opts), "options": asdict(opts), "results": results, "targets": targets(results),
         "curves": {label: s["val_curve"] for label, s in summaries.items()},
@@ -163,6 +196,11 @@ def plot(report: dict[str, Any], out_dir: Path) -> Path:
     return path
 
 
+def memory(gb: float) -> str:
+    """GB as the reasons and the report print it: MB below 1 GB."""
+    return f"{gb * 1000:.2f} MB" if gb < 1 else f"{gb:.2f} GB"
+
+
 def _yes(flag: bool | None) -> str:
     return "–" if flag is None else "met" if flag else "not met"
 
@@ -181,11 +219,16 @@ def write_markdown(report: dict[str, Any], out_dir: Path) -> Path:
         f"{o['sites']} sites × {o['workers_per_site']} workers, "
         + (f"WAN {o['wan_mbps']:g} Mbit/s per site, " if o["wan_mbps"] else "unshaped network, ")
         + f"model `{o['model']}`, {o['tokens']:,} tokens, global batch {o['global_batch']} tokens, seq {o['seq_len']}, "
-        f"{o['micro_batches']} micro-batches; {report['machine']['cpus']} CPUs, {report['machine']['when']}.", "",
+        f"{o['micro_batches']} micro-batches"
+        + (f", each site's GPUs declaring {memory(o['gpu_memory_gb'])}" if o.get("gpu_memory_gb") else "")
+        + f"; {report['machine']['cpus']} CPUs, {report['machine']['when']}.", "",
         "| strategy | wall s | final val loss | WAN MB | activations MB | gradients MB | eval MB | bubble | ideal | time to ddp loss (+1 %) s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
+        if not r.get("feasible", True):
+            lines.append(f"| {r['strategy']} | not run: {r['reason']} |" + " – |" * 8)
+            continue
         bubble = "–" if r["bubble_fraction"] is None else f"{r['bubble_fraction']:.3f}"
         ideal = "–" if r["bubble_ideal"] is None else f"{r['bubble_ideal']:.3f}"
         ttl = r["time_to_ddp_loss_seconds"]
@@ -206,34 +249,3 @@ def write_markdown(report: dict[str, Any], out_dir: Path) -> Path:
     md = out_dir / "pipeline.md"
     md.write_text("\n".join(lines))
     return md
-
-
-@click.command("pipeline")
-@click.option("--sites", type=int, default=3, help="sites = pipeline stages")
-@click.option("--workers-per-site", type=int, default=1)
-@click.option("--wan-mbps", type=float, default=None, help="WAN rate per site in Mbit/s (needs root)")
-@click.option("--model", default="small")
-@click.option("--tokens", type=int, default=500_000)
-@click.option("--seq-len", type=int, default=128)
-@click.option("--global-batch", type=int, default=4096)
-@click.option("--micro-batches", type=int, default=8)
-@click.option("--lr", type=float, default=3e-3)
-@click.option("--strategies", default="ddp,pipeline", help="comma-separated: ddp, pipeline, pipeline+int8|fp16|bf16")
-@click.option("--out", type=click.Path(file_okay=False), default="docs/benchmarks")
-@click.option("--json", "as_json", is_flag=True)
-def bench_pipeline_cmd(as_json: bool, strategies: str, out: str, **options: Any) -> None:
-    """The pipeline strategy against ddp; writes pipeline.md, pipeline.json and a loss plot under --out."""
-    try:
-        opts = PipelineBenchOptions(strategies=[s.strip() for s in strategies.split(",") if s.strip()], **options)
-        report = run_benchmark(opts, out_dir=Path(out))
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    except RuntimeError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if as_json:
-        click.echo(json.dumps({"results": report["results"]}, indent=2))
-        return
-    for r in report["results"]:
-        bubble = "" if r["bubble_fraction"] is None else f"  bubble {r['bubble_fraction']:.2f}"
-        click.echo(f"{r['strategy']:>14}: {r['wall_seconds']:8.1f}s  val {r['final_val_loss']:.4f}  "
-                   f"WAN {r['wan_bytes'] / 1e6:9.2f} MB{bubble}")
