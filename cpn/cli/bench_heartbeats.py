@@ -219,7 +219,8 @@ def _table(result: dict[str, Any]) -> str:
 @click.option("--clusters", type=click.IntRange(min=1), default=10_000, show_default=True)
 @click.option("--concurrency", type=click.IntRange(min=1), default=32, show_default=True,
               help="Concurrent heartbeat clients.")
-@click.option("--seconds", type=click.FloatRange(min=1), default=20, show_default=True, help="Per heartbeat phase.")
+@click.option("--seconds", type=click.FloatRange(min=0), default=20, show_default=True,
+              help="Per heartbeat phase; 0: no heartbeat phases (the quote burst only).")
 @click.option("--batch", type=click.IntRange(min=1, max=1000), default=100, show_default=True,
               help="Clusters per batched heartbeat request.")
 @click.option("--rate", type=click.FloatRange(min=1), default=1000, show_default=True,
@@ -234,15 +235,47 @@ def _table(result: dict[str, Any]) -> str:
               help="Another checkout of CPN (e.g. `git worktree add /tmp/base <commit>`): the quote burst is "
                    "run on its server too, right after, on the database <name>_baseline, for a before/after "
                    "in one run.")
+@click.option("--baseline-first", is_flag=True,
+              help="Run the baseline's quote burst before this checkout's (on a shared machine the order matters).")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--write-docs/--no-write-docs", default=True, show_default=True,
               help="Write docs/benchmarks/api.{json,md}.")
 def bench_api_cmd(clusters: int, concurrency: int, seconds: float, batch: int, rate: float, quotes: int,
-                  quote_clusters: int, database_url: str, baseline: Path | None, as_json: bool,
-                  write_docs: bool) -> None:
+                  quote_clusters: int, database_url: str, baseline: Path | None, baseline_first: bool,
+                  as_json: bool, write_docs: bool) -> None:
     """Heartbeats from N clusters (one per request, then batched) and concurrent quotes, side by side."""
     result: dict[str, Any] = {"clusters": clusters, "concurrency": concurrency, "batch": batch,
                               "backend": "PostgreSQL" if database_url.startswith("postgresql") else "SQLite"}
+    if 0 < seconds < 1:
+        raise click.BadParameter("a heartbeat phase runs for at least 1 s (0: none)", param_hint="--seconds")
+    if not seconds and write_docs:
+        raise click.UsageError("--seconds 0 measures the quote burst only, which api.md's figures do not hold "
+                               "alone: add --no-write-docs")
+    if seconds:
+        _heartbeat_phases(result, database_url, clusters, concurrency, seconds, batch, rate, baseline)
+    if quotes:  # the same burst on the baseline's server, right after (or before), on its own database
+        runs = [("quotes", None), *([("quotes_baseline", baseline)] if baseline is not None else [])]
+        for key, src in reversed(runs) if baseline_first else runs:
+            result[key] = _quote_phase(_baseline_db(database_url) if src else database_url, src, quotes,
+                                       quote_clusters)
+            if src is not None:
+                result[key]["commit"] = _commit_of(src)
+    command = (f"cpn bench api --clusters {clusters} --concurrency {concurrency} --seconds {seconds:g} "
+               f"--batch {batch} --rate {rate:g} --quotes {quotes} --quote-clusters {quote_clusters}"
+               + (f" --baseline {baseline}" if baseline is not None else "")
+               + (" --baseline-first" if baseline_first else ""))
+    if write_docs:
+        _write_docs(command, result, batch)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(_table(result))
+
+
+def _heartbeat_phases(result: dict[str, Any], database_url: str, clusters: int, concurrency: int, seconds: float,
+                      batch: int, rate: float, baseline: Path | None) -> None:
+    """The heartbeat phases (one cluster per request, batched, batched at `rate`) into `result`, and the
+    paced one again on the baseline's server."""
     with _server(database_url) as (url, env, pid):
         provider = _token(env, "bench-provider", "provider")
         t0 = time.perf_counter()
@@ -268,20 +301,6 @@ def bench_api_cmd(clusters: int, concurrency: int, seconds: float, batch: int, r
             result["heartbeats_batched_at_rate_baseline"] = {
                 **_measured(pid, _load(url, provider, [_batches(c, batch) for c in shares], seconds, interval)),
                 "target_updates_per_second": rate, "commit": _commit_of(baseline)}
-    if quotes:
-        result["quotes"] = _quote_phase(database_url, None, quotes, quote_clusters)
-        if baseline is not None:  # the same burst on the baseline's server, right after, on its own database
-            result["quotes_baseline"] = {**_quote_phase(_baseline_db(database_url), baseline, quotes, quote_clusters),
-                                         "commit": _commit_of(baseline)}
-    command = (f"cpn bench api --clusters {clusters} --concurrency {concurrency} --seconds {seconds:g} "
-               f"--batch {batch} --rate {rate:g} --quotes {quotes} --quote-clusters {quote_clusters}"
-               + (f" --baseline {baseline}" if baseline is not None else ""))
-    if write_docs:
-        _write_docs(command, result, batch)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-    else:
-        click.echo(_table(result))
 
 
 def _quote_phase(database_url: str, src: Path | None, quotes: int, quote_clusters: int) -> dict[str, Any]:

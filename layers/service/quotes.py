@@ -6,14 +6,15 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
-from cpn.core.db import as_utc
+from cpn.core.db import Database, as_utc
 from cpn.core.manifest import distinct_durations
 from cpn.core.principal import Principal
-from layers.service.jobs import load_job
+from cpn.core.store import is_retired
+from layers.service.jobs import JobStore, load_job
 from layers.service.models import JobRow, QuoteRow
 from layers.service.schemas import TrainingJobSpec, pricing_only_reason
 
@@ -65,6 +66,45 @@ async def job_quotes(session: AsyncSession, principal: Principal, name: str) -> 
         rows = [await find_quote(session, job, job.status["quote"])]
     reason = pricing_only_reason(TrainingJobSpec.model_validate(job.spec))
     return views([public(q) for q in rows], job.status.get("quote") or RECOMMENDED, pricing_only=reason)
+
+
+_PUBLIC_COLUMNS = ("id", "label", "placement", "strategy", "predicted_seconds", "wan_gb", "total", "currency", "lines",
+                   "expires_at", "state", "ring", "prediction")  # what `public` reads of a quote
+# GET …/quotes in one autocommit read: the job (by its stored name) and its open quotes, joined
+_JOB_AND_OPEN_QUOTES = (  # built once
+    select(JobRow.name.label("job_name"), JobRow.owner_id.label("job_owner"), JobRow.status.label("job_status"),
+           JobRow.spec.label("job_spec"), *(QuoteRow.__table__.c[c] for c in _PUBLIC_COLUMNS))
+    .select_from(JobRow)
+    .outerjoin(QuoteRow, and_(QuoteRow.job_id == JobRow.id, QuoteRow.state == "open"))
+    .where(JobRow.name == bindparam("key")))
+
+
+async def job_quotes_read_once(db: Database, principal: Principal, name: str) -> list[dict[str, Any]] | None:
+    """`job_quotes` in one round trip (no transaction) for the common case: the caller's own job, or
+    one named "ns/name", that has open quotes. None: anything else (not found, not visible, an admin's
+    bare name in another namespace, an accepted job), which `job_quotes` answers as it always has."""
+    key = JobStore().key(principal, name)
+    if is_retired(key):
+        return None
+    rows = await db._autocommit(_JOB_AND_OPEN_QUOTES, lambda result: result.all(), {"key": key})  # noqa: SLF001
+    if not rows or rows[0].id is None:
+        return None
+    first = rows[0]
+    if not JobStore().visible(principal, _Owned(first.job_owner, first.job_name)):
+        return None
+    quotes = sorted(rows, key=lambda q: LABELS.index(q.label) if q.label in LABELS else 99)
+    reason = pricing_only_reason(TrainingJobSpec.model_validate(first.job_spec))
+    status = first.job_status or {}
+    return views([public(q) for q in quotes], status.get("quote") or RECOMMENDED, pricing_only=reason)
+
+
+class _Owned:
+    """What `JobStore.visible` reads of a job row."""
+
+    __slots__ = ("name", "owner_id")
+
+    def __init__(self, owner_id: str, name: str):
+        self.owner_id, self.name = owner_id, name
 
 
 def expired(quote: QuoteRow, now: datetime | None = None) -> bool:

@@ -22,8 +22,11 @@ TIMEOUTS = web.AppKey("timeouts", Timeouts)
 
 
 async def get_quotes(request: web.Request) -> web.Response:
-    async with request.app[state.DB].session() as s:
-        items = await quotes_mod.job_quotes(s, principal_of(request), request.match_info["name"])
+    db, principal, name = request.app[state.DB], principal_of(request), request.match_info["name"]
+    items = await quotes_mod.job_quotes_read_once(db, principal, name)
+    if items is None:  # not the common case (see job_quotes_read_once): the full lookup
+        async with db.session() as s:
+            items = await quotes_mod.job_quotes(s, principal, name)
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import and_, bindparam, or_, select
+from sqlalchemy import Table, and_, bindparam, func, insert, literal, or_, select
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
-from cpn.core.db import Database, new_uid
+from cpn.core.db import Base, Database, new_uid
 from cpn.core.principal import Principal
 from cpn.core.settings import Settings
 from cpn.core.store import split_key
@@ -60,9 +62,19 @@ async def submit(session: AsyncSession, principal: Principal, body: Any, idempot
     store = JobStore()
     obj = store.parse(body)
     key = store.new_key(principal, obj)
-    # one read: this key's earlier submission (Idempotency-Key) and a job already holding the name
-    found = (await session.execute(_BY_IDEMPOTENCY_KEY_OR_NAME, {
-        "owner": principal.account_id, "key": idempotency_key, "name": key})).scalars().all()
+    spec: TrainingJobSpec = obj.spec  # type: ignore[attr-defined]
+    now = datetime.now(UTC)
+    lookup = {"owner": principal.account_id, "key": idempotency_key, "name": key}
+    # PostgreSQL, no profile run: two reads and one INSERT statement, each its own transaction (no
+    # BEGIN/COMMIT round trips); the INSERT, that writes everything, is atomic by itself
+    one_statement = _writes_in_one_statement(session) and not spec.profile and not session.in_transaction()
+    if one_statement:
+        await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+    # one round trip: the market (see price_options) and how many jobs hold this Idempotency-Key or
+    # the name; those jobs are read only when there are any (a retry, a name already taken)
+    market = await _market(session, spec, t, now, (principal.account_id, split_key(key)[0] or ""), lookup)
+    found = [] if not _extra(market)[_JOBS_TAG][1] else (await session.execute(_BY_IDEMPOTENCY_KEY_OR_NAME,
+                                                                             lookup)).scalars().all()
     earlier = next((j for j in found if idempotency_key and j.owner_id == principal.account_id
                     and j.idempotency_key == idempotency_key), None)
     if earlier is not None:
@@ -74,28 +86,97 @@ async def submit(session: AsyncSession, principal: Principal, body: Any, idempot
     job.id = new_uid()  # the quotes name it before it is written
     job.idempotency_key = idempotency_key
     await record_event(session, job.name, "Normal", "Submitted", f"submitted by {principal.name}")
-    if TrainingJobSpec.model_validate(job.spec).profile:  # quoted once its own steps are timed (profile.py)
+    if spec.profile:  # quoted once its own steps are timed (profile.py)
         await start_profile(session, job, t)
         await session.flush()
         return store.to_manifest(principal, job), True
     with session.no_autoflush:
-        await requote(session, job, t, fresh=True)
-    await session.flush()
+        await requote(session, job, t, now, fresh=True, market=market)
+    if one_statement:
+        await _insert_new(session)
+    else:
+        await session.flush()
     return store.to_manifest(principal, job), True
+
+
+def _writes_in_one_statement(session: AsyncSession) -> bool:
+    """Whether the database runs INSERTs as data-modifying WITHs of one statement (SQLite does not)."""
+    return session.get_bind().dialect.name == "postgresql"
+
+
+async def _insert_new(session: AsyncSession) -> None:
+    """Write the session's new rows (a submission's job, events and quotes) in one statement (see
+    _inserts_of): one round trip where a flush takes one per table (and BEGIN/COMMIT around them).
+    Column defaults are set on the rows as a flush would set them; the rows leave the session."""
+    values: dict[Table, list[dict[str, Any]]] = {}
+    for row in list(session.new):
+        mapper = sa_inspect(row).mapper
+        fields = {}
+        for prop in mapper.column_attrs:
+            column = prop.columns[0]
+            value = getattr(row, prop.key)
+            if value is None and column.default is not None:
+                value = column.default.arg(None) if column.default.is_callable else column.default.arg
+                setattr(row, prop.key, value)
+            fields[column.key] = value
+        values.setdefault(mapper.local_table, []).append(fields)
+        session.expunge(row)
+    if values:
+        shape = tuple(sorted(((table, len(rows), tuple(rows[0])) for table, rows in values.items()),
+                             key=lambda part: part[0].name))
+        params = {f"{table.name}_{i}_{key}": value for table, rows in values.items()
+                  for i, row in enumerate(rows) for key, value in row.items()}
+        await session.execute(_inserts_of(shape), params)
+
+
+@functools.lru_cache(maxsize=64)  # one statement object per shape, so SQLAlchemy compiles it once
+def _inserts_of(shape: tuple[tuple[Table, int, tuple[str, ...]], ...]) -> Any:
+    """The INSERT of `shape` ((table, rows, column keys) …) as one statement: an INSERT per row (a
+    multi-row VALUES is never in SQLAlchemy's compiled cache), all but the last as data-modifying WITHs
+    of it, referenced tables first. Values are parameters named table_row_column."""
+    order = {table: i for i, table in enumerate(Base.metadata.sorted_tables)}
+    inserts = [insert(table).values({key: bindparam(f"{table.name}_{i}_{key}", type_=table.c[key].type)
+                                     for key in keys}).cte(f"new_{table.name}_{i}")
+               for table, rows, keys in sorted(shape, key=lambda part: order[part[0]]) for i in range(rows)]
+    return inserts[-1].element.add_cte(*inserts[:-1])
 
 
 _BY_IDEMPOTENCY_KEY_OR_NAME = select(JobRow).where(or_(  # built once
     and_(JobRow.owner_id == bindparam("owner"), JobRow.idempotency_key == bindparam("key")),
     JobRow.name == bindparam("name")))
+_JOBS_TAG = "jobs"
+# _BY_IDEMPOTENCY_KEY_OR_NAME counted, in the shape of the catalogue's stamp rows (capacity.offer_set)
+_JOBS_PROBE = select(literal(_JOBS_TAG), func.count(), func.max(JobRow.updated_at), literal(0)).where(
+    _BY_IDEMPOTENCY_KEY_OR_NAME.whereclause)
+
+
+async def _market(session: AsyncSession, spec: TrainingJobSpec, t: Timeouts, now: datetime,
+                  owner: tuple[str, str] | None, lookup: dict[str, Any] | None = None) -> capacity.OfferSet:
+    """The offer set, in one round trip with the calibrations' stamp, whether the owner holds a
+    Dataset named spec.dataset (`owner`: account id, namespace) and how many jobs match `lookup`
+    (_BY_IDEMPOTENCY_KEY_OR_NAME's values)."""
+    also: tuple[Any, ...] = (learning.stamp(),)
+    params: dict[str, Any] = {}
+    if owner is not None:
+        also, params = (*also, data.probe()), data.probe_params(*owner, spec.dataset)
+    if lookup is not None:
+        also, params = (*also, _JOBS_PROBE), {**params, **lookup}
+    return await capacity.offer_set(session, t.heartbeat, now, also=also, params=params or None)
+
+
+def _extra(market: capacity.OfferSet) -> dict[str, Any]:
+    return {r[0]: r for r in market.extra}
 
 
 async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime | None = None, *,
-                  fresh: bool = False) -> list[dict[str, Any]]:
+                  fresh: bool = False, market: capacity.OfferSet | None = None) -> list[dict[str, Any]]:
     """Plan the job against live capacity and store fresh quotes; the job becomes Quoted. `fresh`: the
-    job is being created in this transaction (it has no quotes to supersede; the caller flushes)."""
+    job is being created in this transaction (it has no quotes to supersede; the caller flushes);
+    `market`: the offer set already read for it at `now` (see _market)."""
     now = now or datetime.now(UTC)
     saved = await price_options(session, TrainingJobSpec.model_validate(job.spec), t, now, job_id=job.id,
-                                owner=(job.owner_id, split_key(job.name)[0] or ""), profiled=profile.current(job))
+                                owner=(job.owner_id, split_key(job.name)[0] or ""), profiled=profile.current(job),
+                                market=market)
     if not fresh:
         await quotes_mod.supersede_open(session, job)
     session.add_all(saved)
@@ -110,17 +191,16 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
 
 async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeouts, now: datetime,
                         job_id: str | None = None, owner: tuple[str, str] | None = None,
-                        profiled: ProfileStatus | None = None) -> list[QuoteRow]:
+                        profiled: ProfileStatus | None = None, market: capacity.OfferSet | None = None
+                        ) -> list[QuoteRow]:
     """Cheapest / fastest / balanced plans against live capacity, priced; the rows are not stored.
     `owner` (account id, namespace) resolves spec.dataset; a measured `profiled` run (spec.profile)
-    prices the compute from the job's own steps, and the quotes' basis says so."""
+    prices the compute from the job's own steps, and the quotes' basis says so. `market`: the offer
+    set already read by `_market` with the same `owner` at `now`."""
     # one round trip: the catalogue's stamp, the active leases, the calibrations' stamp and whether the
     # owner holds a Dataset named spec.dataset
-    also, params = (learning.stamp(),), None
-    if owner is not None:
-        also, params = (learning.stamp(), data.probe()), data.probe_params(*owner, spec.dataset)
-    market = await capacity.offer_set(session, t.heartbeat, now, also=also, params=params)
-    extra = {r[0]: r for r in market.extra}
+    market = market or await _market(session, spec, t, now, owner)
+    extra = _extra(market)
     need = await data.need_probed(session, *owner, spec.dataset, extra[data.PROBE_TAG]) if owner is not None else None
     learned = await learning.load_at(session, extra[learning.STAMP_TAG])  # what finished runs taught
     req = replace(requirements(spec, now), learned=learned, data=need, profiled=profile.profiled(profiled))
