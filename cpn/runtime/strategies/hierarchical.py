@@ -6,11 +6,8 @@ fp16/bf16/int8 on the WAN with error feedback), intra-site all-gather.
 The all-reduce overlaps the backward pass, as torch DDP's does (the seeds' tensor fusion with
 overlap): :class:`GradBuckets` cuts the parameters, in reverse order (roughly the order backward
 produces their gradients), into buckets; a ``register_post_accumulate_grad_hook`` on each parameter
-marks its gradient ready, and a complete bucket's all-reduce starts while backward computes the rest:
-on a background thread for the two-level and multilevel algorithms and compressed rings, straight in the
-backend (an asynchronous ``all_reduce``, as torch DDP's C++ reducer does) for the uncompressed flat ring
-of one worker per site on CPU — there a Python thread's blocking all-reduce cost four times ddp's
-communication time (3 workers on 2 cores). Buckets start in the same order on every rank (bucket k only after
+marks its gradient ready, and a complete bucket's all-reduce starts on a background thread while
+backward computes the rest. Buckets start in the same order on every rank (bucket k only after
 buckets 0..k-1), so the collectives match. After backward the loop waits for them; that exposed
 time is counted as communication. ``strategy.grad_hooks: false`` all-reduces after the whole
 backward pass instead (same result up to float rounding; tested).
