@@ -50,7 +50,6 @@ __all__ = [
     "Stats",
     "allreduce",
     "broadcast_from_site_leader",
-    "flat_ring_bytes",
     "level_codecs",
     "parse_algorithm",
     "site_allreduce",
@@ -214,20 +213,13 @@ def _flat(
     n = g.world_size
     sent = _wan_leg(buf, g.world, codec, ef, key, _stage(g))
     if codec is None or not buf.is_floating_point():
-        return flat_ring_bytes(g, buf.numel() * buf.element_size())
+        return (0, sent) if g.S > 1 and g.local_rank == 0 else (sent, 0)
     wb = sent // (2 * (n - 1)) if n > 1 else 0
     a2a_wan, a2a_intra = (n - g.site_size) * wb, (g.site_size - 1) * wb
     gather = (n - 1) * wb
     if g.S > 1 and g.local_rank == g.site_size - 1:
         return a2a_intra, a2a_wan + gather
     return a2a_intra + gather, a2a_wan
-
-
-def flat_ring_bytes(g: Groups, nbytes: int) -> tuple[int, int]:
-    """(intra, WAN) bytes one rank sends in the backend's uncompressed ring all-reduce of ``nbytes``:
-    the ring's hop from a site's first rank crosses the WAN (see :func:`_flat`)."""
-    sent = _ring_bytes(g.world_size, nbytes)
-    return (0, sent) if g.S > 1 and g.local_rank == 0 else (sent, 0)
 
 
 def _stage(g: Groups) -> HostStage | None:

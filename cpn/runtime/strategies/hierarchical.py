@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cpn.runtime.codecs import ErrorFeedback
-from cpn.runtime.collectives import DEFAULT_BUCKET_BYTES, Stats, allreduce, flat_ring_bytes
+from cpn.runtime.collectives import DEFAULT_BUCKET_BYTES, Stats, allreduce
 from cpn.runtime.device import ready_event
 from cpn.runtime.strategies.base import Context, grads_of, timed_barrier, weigh
 from cpn.runtime.strategies.ddp import DDP
@@ -53,8 +52,7 @@ class GradBuckets:
     """Parameters in buckets whose gradients are reduced by ``reduce(k, params)`` as soon as backward
     has produced all of bucket k's (and every earlier bucket started)."""
 
-    def __init__(self, model: nn.Module, bucket_bytes: int, reduce: Callable[[int, list[nn.Parameter]], Any],
-                 *, inline: bool = False):
+    def __init__(self, model: nn.Module, bucket_bytes: int, reduce: Callable[[int, list[nn.Parameter]], Any]):
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         size = 0
@@ -67,16 +65,14 @@ class GradBuckets:
             size += nbytes
         self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
         self.reduce = reduce
-        # inline: ``reduce`` only starts the work (an asynchronous collective) and returns what
-        # ``.result()`` finishes; else it runs whole on a background thread
-        self.pool = None if inline else ThreadPoolExecutor(1, thread_name_prefix="cpn-grad-buckets")
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cpn-grad-buckets")
         self._reset()
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
 
     def _reset(self) -> None:
         self.missing = [len(b) for b in self.buckets]
         self.next = 0
-        self.futures: list[Any] = []  # Futures of the pool, or the inline reduce's pending results
+        self.futures: list[Future] = []
 
     def _ready(self, p: torch.Tensor) -> None:
         self.missing[self.bucket_of[id(p)]] -= 1
@@ -85,10 +81,7 @@ class GradBuckets:
     def _launch(self, event: torch.cuda.Event | None = None) -> None:
         while self.next < len(self.buckets) and self.missing[self.next] <= 0:
             k, self.next = self.next, self.next + 1
-            if self.pool is None:
-                self.futures.append(self.reduce(k, self.buckets[k]))
-            else:
-                self.futures.append(self.pool.submit(self._run, k, event))
+            self.futures.append(self.pool.submit(self._run, k, event))
 
     def _run(self, k: int, event: torch.cuda.Event | None) -> Any:
         if event is not None:  # the gradients are on the device's stream: wait until backward wrote them
@@ -107,8 +100,7 @@ class GradBuckets:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
+        self.pool.shutdown(wait=False)
 
 
 def allreduce_of(topology: Topology, compression: str | None) -> tuple[str, str | None]:
@@ -137,28 +129,12 @@ class Hierarchical(DDP):
         self.collective, self._wire = allreduce_of(ctx.groups.topology, self._compression)
         self.metro_bytes = 0
         self.ef = ErrorFeedback() if self._compression == "int8" else None
-        self.grad_buckets = None
-        if ctx.cfg.strategy.grad_hooks:
-            inline = self._ring_in_backend()
-            self.grad_buckets = GradBuckets(self.model, bucket_bytes_for(self.model),
-                                            self._start_ring if inline else self._reduce_bucket, inline=inline)
+        self.grad_buckets = GradBuckets(self.model, bucket_bytes_for(self.model), self._reduce_bucket) \
+            if ctx.cfg.strategy.grad_hooks else None
 
     @property
     def compression(self) -> str | None:
         return self._compression
-
-    def _ring_in_backend(self) -> bool:
-        """The flat ring, uncompressed, on CPU tensors: the backend's own asynchronous all-reduce can
-        carry a bucket while backward goes on (torch DDP's reducer), no Python thread needed."""
-        device = next(self.model.parameters()).device
-        return self.collective == "flat" and self._wire is None and device.type == "cpu"
-
-    def _start_ring(self, k: int, params: list[nn.Parameter]) -> _Ring:
-        """Start bucket ``k``'s all-reduce in the backend, from backward's hook."""
-        grads = grads_of_params(params)
-        weigh(grads, self.ctx.world_weight())
-        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
-        return _Ring(dist.all_reduce(flat, group=self.ctx.groups.world, async_op=True), flat, grads, self.ctx.groups)
 
     def _reduce_bucket(self, k: int, params: list[nn.Parameter]) -> Stats:
         """Average bucket ``k``'s gradients over every rank (the background thread's work)."""
@@ -205,24 +181,3 @@ def grads_of_params(params: list[nn.Parameter]) -> list[torch.Tensor]:
             p.grad = torch.zeros_like(p)
         out.append(p.grad)
     return out
-
-
-class _Ring:
-    """One bucket's all-reduce in flight in the backend: ``result()`` waits, averages and writes the
-    gradients back, and returns the bytes as :func:`cpn.runtime.collectives.allreduce` counts them."""
-
-    def __init__(self, work: dist.Work, flat: torch.Tensor, grads: list[torch.Tensor], groups: Any):
-        self.work, self.flat, self.grads, self.groups = work, flat, grads, groups
-
-    def result(self) -> Stats:
-        self.work.wait()
-        g, nbytes = self.groups, self.flat.numel() * self.flat.element_size()
-        self.flat.div_(g.world_size)
-        offset = 0
-        for grad in self.grads:
-            n = grad.numel()
-            grad.copy_(self.flat[offset:offset + n].view_as(grad))
-            offset += n
-        intra, wan = flat_ring_bytes(g, nbytes)
-        return Stats(algorithm="flat", compression=None, intra_bytes=intra, wan_bytes=wan,
-                     numel=self.flat.numel(), payload_bytes=nbytes, buckets=1)
