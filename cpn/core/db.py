@@ -136,6 +136,10 @@ class Database:
         values of its bind parameters (a statement built once and run with new values is cheaper)."""
         return await self._autocommit(stmt, lambda result: result.first(), params)
 
+    async def read_rows(self, stmt: Any, params: dict[str, Any] | None = None) -> list[Any]:
+        """Every row of one read-only statement, outside a transaction (as :meth:`read_row`)."""
+        return await self._autocommit(stmt, lambda result: result.all(), params)
+
     async def write_returning(self, stmt: Any, params: dict[str, Any] | None = None) -> Any:
         """The first row a one-statement write returns (None: it wrote nothing), in autocommit."""
         return await self._autocommit(stmt, lambda result: result.first(), params)

@@ -86,7 +86,7 @@ async def job_quotes_read_once(db: Database, principal: Principal, name: str) ->
     key = JobStore().key(principal, name)
     if is_retired(key):
         return None
-    rows = await db._autocommit(_JOB_AND_OPEN_QUOTES, lambda result: result.all(), {"key": key})  # noqa: SLF001
+    rows = await db.read_rows(_JOB_AND_OPEN_QUOTES, {"key": key})
     if not rows or rows[0].id is None:
         return None
     first = rows[0]
