@@ -12,6 +12,7 @@ from pydantic.json_schema import models_json_schema
 import cpn
 from cpn.core import errors
 from cpn.core.store import parse_selector
+from layers.orchestration.lifecycle import checkpoints
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,10 @@ PATH: dict[str, dict[str, Any]] = {"name": {"type": "string", "minLength": 1, "m
                                             "pattern": "^[^\\x00/]+$"},
                                    "uid": {"type": "string", "minLength": 1, "maxLength": 64,
                                            "pattern": "^[^\\x00/]+$"},
-                                   "sha256": {"type": "string", "pattern": "^(sha256:)?[0-9a-f]{64}$"}}
+                                   "sha256": {"type": "string", "pattern": "^(sha256:)?[0-9a-f]{64}$"},
+                                   # a checkpoint file's name (the server refuses any other, 422)
+                                   "step": {"type": "string", "pattern": f"^{checkpoints.STEP_PATTERN}$"},
+                                   "file": {"type": "string", "pattern": f"^(?:{checkpoints.FILE_PATTERN})$"}}
 
 
 ERROR_SCHEMA = {
@@ -228,10 +232,9 @@ def _operation(doc: RouteDoc, links: dict[str, Any]) -> dict[str, Any]:
         ok["content"] = {"application/json": {"schema": schema}}
     err = {"description": "Error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     op["responses"] = {"200": ok, "4XX": err}
-    if doc.created:
+    if doc.created:  # the links only from 201: a 200 is a replay or a dry run (?dryRun=true), which created nothing
         op["responses"]["201"] = {**ok, "description": "Created", **({"links": links} if links else {})}
-        if links:
-            op["responses"]["200"] = {**ok, "links": links}
+        op["responses"]["200"] = {**ok, "description": "An Idempotency-Key replay, or a dry run (nothing created)"}
     if doc.auth:
         op["security"] = [{"bearer": []}]
     return op

@@ -345,6 +345,7 @@ class PlacementLine(CamelModel):
     gpus: int
     gpu_model: str
     stage: int | None = Field(default=None, description="The pipeline stage these GPUs run (null: data parallel)")
+    region: str | None = Field(default=None, description="The site's region")
 
 
 class PriceLine(CamelModel):
@@ -381,6 +382,13 @@ class ProfileFigure(CamelModel):
     step_seconds: float = Field(description="Predicted seconds per step on the quoted placement")
 
 
+class QuoteModelFactors(CamelModel):
+    """What finished runs taught the compute model (GET /api/v1/calibrations); factor 1: nothing yet."""
+
+    step_factor: float
+    startup_seconds: float
+
+
 class QuotePublic(CamelModel):
     id: str
     label: str
@@ -390,10 +398,25 @@ class QuotePublic(CamelModel):
         "modelled: the compute model's estimate; profiled: from the job's own measured step time (spec.profile)"))
     profile: ProfileFigure | None = None
     predicted_seconds: float
-    wan_gb: float
+    wan_gb: float = Field(alias="wanGB")
     price: Price
     expires_at: datetime
     state: str
+    ring: list[str] = Field(default_factory=list, description="The sites in ring order")
+    trains: dict[str, Any] | None = Field(default=None, description="What the quoted run trains")
+    model: QuoteModelFactors | None = None
+    # how the CLI and the portal show it (layers/service/quotes.py views)
+    metadata: dict[str, str] = Field(default_factory=dict, description="{name: the label}")
+    chosen: str = Field(default="", description="* when this is the job's chosen quote")
+    placement_summary: str = ""
+    gpus: int = 0
+    same_as: str | None = Field(default=None, description="The label of an earlier identical offer")
+    recommended: bool = False
+    times_cheapest: float = 1.0
+    confirm: bool = Field(default=False, description="Accepting it asks for confirmation (far above the cheapest)")
+    pricing_only: str | None = Field(default=None, description="Why it may not be accepted (null: it may)")
+    note: str = ""
+    predicted_duration: str = ""
 
 
 def ttl(seconds: float) -> timedelta:

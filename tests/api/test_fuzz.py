@@ -2,6 +2,9 @@
 admin and as a plain user, with every check (server errors, status codes, content types, response
 schemas and headers, negative and positive data, use-after-free, resource availability, ignored auth)
 and the stateful phase chained by the document's OpenAPI links (create → read/replace/patch/delete).
+Before it starts, the fuzzing account populates the server (tests/api/fuzz_world.py: sites, clusters,
+links, datasets, a bundle, priced and accepted jobs) and schemathesis draws path parameters from those
+names, so operations on an object reach past its 404; the run must get a 2xx from each of READS.
 
 Any failure fails the test; the few deliberate exceptions are in tests/api/schemathesis.toml with their
 reasons. CPN_FUZZ_SECONDS sets the time per role (default 75), CPN_FUZZ_SEED the seed.
@@ -15,14 +18,20 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
+from tests.api.fuzz_coverage import with_2xx
+from tests.api.fuzz_world import fuzz_config, seed
 from tests.conftest import start_server, stop_server
 
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 SECONDS = int(os.environ.get("CPN_FUZZ_SECONDS", "75"))
 SEED = os.environ.get("CPN_FUZZ_SEED", "20261123")
 TOOL_CRASH = "AST constructor recursion depth mismatch"
+# operations on the seeded objects that a run must have answered with a 2xx at least once (the seeding reached)
+READS = {f"GET /api/v1/{kind}/{{name}}" for kind in ("sites", "clusters", "links", "datasets", "jobs")} | {
+    "GET /api/v1/jobs/{name}/quotes", "GET /api/v1/jobs/{name}/subtasks", "HEAD /api/v1/bundles/{sha256}"}
 
 
 def _excepted() -> set[str]:
@@ -51,13 +60,16 @@ def test_schemathesis_finds_nothing(role: str, db_url: str, tmp_path: Path) -> N
     server = start_server(db_url, tmp_path, {"CPN_RATE_LIMIT_PER_MINUTE": "10000000"})
     try:
         token = server.token(f"fuzz-{role}", role)
-        cmd = [st, "--config-file", str(CONFIG), "--no-color", "run", f"{server.url}/api/v1/openapi.json",
+        world = seed(server, token, f"fuzz-{role}", role, tmp_path)
+        doc = httpx.get(f"{server.url}/api/v1/openapi.json").json()
+        config = fuzz_config(CONFIG, world, tmp_path)  # schemathesis.toml + the world's names as dictionaries
+        cmd = [st, "--config-file", str(config), "--no-color", "run", f"{server.url}/api/v1/openapi.json",
                "-H", f"Authorization: Bearer {token}", "--checks", "all", "--max-time", str(SECONDS),
                # one worker: CPython 3.11.7's ast module keeps its recursion counter per interpreter, so
                # two hypothesis threads repr-ing lambdas at once can raise "AST constructor recursion
                # depth mismatch" inside schemathesis (a crash of the tool, not a finding)
                "--seed", SEED, "-w", "1", "--generation-database", "none", "--request-timeout", "40",
-               "--report", "junit", "--report-dir", str(tmp_path / "report")]
+               "--report", "junit,har", "--report-dir", str(tmp_path / "report")]
         for _ in range(2):  # once more only if the tool itself crashed on that CPython bug (no finding)
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=SECONDS * 3 + 120, cwd=tmp_path,
                                  env={**os.environ, "SCHEMATHESIS_HOOKS": ""})
@@ -75,6 +87,8 @@ def test_schemathesis_finds_nothing(role: str, db_url: str, tmp_path: Path) -> N
     assert out.returncode == 0, f"schemathesis ({role}) found failures:\n{out.stdout[-20000:]}{out.stderr[-2000:]}"
     # an operation that mostly refuses what its schema allows is a mismatch unless it is a listed exception
     assert _mostly_rejected(out.stdout) <= _excepted(), sorted(_mostly_rejected(out.stdout) - _excepted())
+    reached = with_2xx(tmp_path / "report", doc)
+    assert READS <= reached, f"the seeded objects were not reached: {sorted(READS - reached)}"
 
 
 async def test_deliberate_exceptions_cover_only_the_operations_they_name(api) -> None:
@@ -96,3 +110,30 @@ async def test_deliberate_exceptions_cover_only_the_operations_they_name(api) ->
             widened.add(operation.label)
     assert named <= {result.ok().label for result in schema.get_all_operations()}, "an exception names no operation"
     assert widened == named, sorted(widened ^ named)
+
+
+async def test_only_a_201_links_to_the_created_object(api) -> None:
+    """The seeded world made dry runs feasible, and schemathesis followed the links of a dry run's 200 to
+    an object that was never created (ST302, 404). A 200 (dry run or replay) now publishes no links."""
+    from tests.api.test_jobs import job, register_world
+
+    await register_world(api)
+    dry = await api.client.post("/api/v1/jobs?dryRun=true", json=job("dry"), headers=api.auth("alice"))
+    assert dry.status == 200, await dry.text()
+    assert (await api.client.get("/api/v1/jobs/dry", headers=api.auth("alice"))).status == 404
+    doc = await (await api.client.get("/api/v1/openapi.json")).json()
+    for path in ("/api/v1/sites", "/api/v1/jobs", "/api/v1/datasets"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert "links" not in responses["200"] and "Get_item" in responses["201"]["links"], path
+
+
+async def test_quotes_are_what_the_document_says(api) -> None:
+    """Found once the fuzz reached a priced job: GET …/quotes sent wanGB, the placement's region and the
+    CLI's view fields, none of which its published QuotePublic allowed (ST108)."""
+    from layers.service.schemas import QuotePublic
+    from tests.api.test_jobs import job, quotes, register_world
+
+    await register_world(api)
+    assert (await api.client.post("/api/v1/jobs", json=job("q"), headers=api.auth("alice"))).status == 201
+    items = await quotes(api, "q")
+    assert items and all(QuotePublic.model_validate(q).wan_gb == q["wanGB"] for q in items)

@@ -11,7 +11,9 @@ from typing import Any
 from cpn.core import errors
 from layers.resource.blobs import BlobStore
 
-NAME_RE = re.compile(r"^step-\d{8}/(site\d+\.pt|global\.pt|latest\.json)$")
+STEP_PATTERN = r"step-\d{8}"  # a step's folder (the API's {step}); its files (the API's {file}):
+FILE_PATTERN = r"site\d+\.pt|global\.pt|latest\.json"
+NAME_RE = re.compile(rf"^{STEP_PATTERN}/({FILE_PATTERN})$")
 
 
 def key(job: str, name: str) -> str:
