@@ -1,7 +1,8 @@
 """A seeded world for tests/api/test_fuzz.py: before schemathesis starts, the fuzzing principal (and, for a
 plain user, a provider who owns the infrastructure users cannot create) populates a live `cpn serve`
-through the public API, as real users would: two sites, a cluster on each (heartbeating), a link
-between them, a Dataset, a code bundle, a priced TrainingJob and an accepted one with its sub-tasks.
+through the public API, as real users would: under each of NAMES and SPARE a site, a heartbeating
+cluster, a link, a Dataset and a TrainingJob (priced; NAMES[1]'s accepted, with its sub-tasks), and a
+code bundle.
 
 Schemathesis then draws path parameters from these names (`[dictionaries]` bound to `path.name`,
 `path.sha256`, `path.uid` in a copy of schemathesis.toml: see `fuzz_config`), so operations on an
