@@ -16,7 +16,7 @@ from cpn.cli.demo import PROVIDERS, world
 from tests.conftest import run_cli
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "jobs").glob("*.yaml"))
-FAMILIES = {"ddp", "hierarchical", "diloco", "local_sgd", "gossip", "ssp", "async_ps", "auto"}
+FAMILIES = {"ddp", "hierarchical", "diloco", "local_sgd", "gossip", "ssp", "async_ps", "ps_backup", "auto"}
 
 
 def demo_world(live_server) -> dict[str, str]:  # type: ignore[no-untyped-def]
