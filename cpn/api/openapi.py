@@ -12,7 +12,7 @@ from pydantic.json_schema import models_json_schema
 import cpn
 from cpn.core import errors
 from cpn.core.store import parse_selector
-from layers.orchestration.lifecycle import checkpoints
+from layers.orchestration.lifecycle import agents, checkpoints
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ QUERY: dict[str, dict[str, Any]] = {
     "follow": {**_FLAG, "description": "Stream while the job runs"},
     "resourceVersion": {"type": "string", "pattern": r"^[A-Za-z0-9:._-]*$", "maxLength": 128},
     "timeoutSeconds": {"type": "integer", "minimum": 0, "maximum": 30},
-    "rank": {"type": "integer", "minimum": 0, "maximum": 10**9},
+    "rank": {"type": "integer", "minimum": 0, "maximum": agents.MAX_RANK},
     "attempt": {"type": "integer", "minimum": 1, "maximum": 10**9},
     "tail": {"type": "integer", "minimum": 0, "maximum": 100_000},
 }

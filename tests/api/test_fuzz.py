@@ -140,3 +140,15 @@ async def test_quotes_are_what_the_document_says(api) -> None:
     assert (await api.client.post("/api/v1/jobs", json=job("q"), headers=api.auth("alice"))).status == 201
     items = await quotes(api, "q")
     assert items and all(QuotePublic.model_validate(q).wan_gb == q["wanGB"] for q in items)
+
+
+def test_a_log_line_names_a_rank_the_logs_can_store() -> None:
+    """Found by the seeded fuzz (a real sub-task's uid): a rank of 10**17 reached PostgreSQL's 32-bit
+    column and came back a 500; the body's schema now bounds it (422 naming lines[i].rank)."""
+    from pydantic import ValidationError
+
+    from layers.orchestration.lifecycle.agents import MAX_RANK, LogLineIn
+
+    assert LogLineIn(rank=MAX_RANK, line="x").rank == MAX_RANK < 2**31
+    with pytest.raises(ValidationError, match="rank"):
+        LogLineIn(rank=10**17, line="x")

@@ -31,6 +31,7 @@ from layers.service.models import JobRow
 REPORTABLE = tuple(p.value for p in SubtaskPhase if p is not SubtaskPhase.PENDING)  # Pending is the server's
 DONE = SUBTASK_DONE
 MAX_LOG_LINE = 4000
+MAX_RANK = 10**9  # a worker's global rank, as the logs store it (a 32-bit column; GET …/logs?rank= takes as many)
 LOG_PAGE = 5000  # lines per read: longer logs are read page by page
 
 
@@ -50,7 +51,7 @@ class SubtaskReport(_Body):
 
 
 class LogLineIn(_Body):
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, le=MAX_RANK)
     line: str = Field(max_length=MAX_LOG_LINE)
 
 
