@@ -28,6 +28,8 @@ class RouteDoc:
     query: tuple[str, ...] = field(default_factory=tuple)
     auth: bool = True
     created: bool = False  # POST that creates: 201 (200 when an Idempotency-Key replays it)
+    later: bool = False  # a job's output that exists only once it has run (a checkpoint, the final weights):
+    # no create links to it (its 404 right after the create is right, not a created object gone missing)
 
 
 PATH: dict[str, dict[str, Any]] = {"name": {"type": "string", "minLength": 1, "maxLength": 253,
@@ -191,13 +193,15 @@ def _operation_id(doc: RouteDoc) -> str:
 
 def _links(doc: RouteDoc, docs: list[RouteDoc]) -> dict[str, Any]:
     """From a create to every operation on the created object (read, replace, patch, delete, and the
-    kind's own: quotes, accept, cancel …), so a client (and a stateful fuzzer) can chain them."""
+    kind's own: quotes, accept, cancel …), so a client (and a stateful fuzzer) can chain them; not to what
+    exists only later (RouteDoc.later)."""
     if not doc.created:
         return {}
     item = f"{doc.path}/{{name}}"
     return {f"{d.method.title()}{d.path[len(item):].replace('/', '_') or '_item'}": {
                 "operationId": _operation_id(d), "parameters": {"name": "$response.body#/metadata/name"}}
-            for d in docs if (d.path == item or d.path.startswith(item + "/")) and d.params == ("name",)}
+            for d in docs if (d.path == item or d.path.startswith(item + "/")) and d.params == ("name",)
+            and not d.later}
 
 
 def _operation(doc: RouteDoc, links: dict[str, Any]) -> dict[str, Any]:

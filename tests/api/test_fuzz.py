@@ -115,7 +115,7 @@ async def test_deliberate_exceptions_cover_only_the_operations_they_name(api) ->
     assert widened == named, sorted(widened ^ named)
 
 
-async def test_only_a_201_links_to_the_created_object(api) -> None:
+async def test_only_a_201_links_to_the_created_object_and_what_it_has_at_once(api) -> None:
     """The seeded world made dry runs feasible, and schemathesis followed the links of a dry run's 200 to
     an object that was never created (ST302, 404). A 200 (dry run or replay) now publishes no links."""
     from tests.api.test_jobs import job, register_world
@@ -128,6 +128,9 @@ async def test_only_a_201_links_to_the_created_object(api) -> None:
     for path in ("/api/v1/sites", "/api/v1/jobs", "/api/v1/datasets"):
         responses = doc["paths"][path]["post"]["responses"]
         assert "links" not in responses["200"] and "Get_item" in responses["201"]["links"], path
+    # nor to a job's output that exists only once it has run (seed 3: ST302 on a fresh job's checkpoints/latest)
+    job_links = doc["paths"]["/api/v1/jobs"]["post"]["responses"]["201"]["links"]
+    assert "Get_quotes" in job_links and not {"Get_checkpoints_latest", "Get_final"} & set(job_links), sorted(job_links)
 
 
 async def test_quotes_are_what_the_document_says(api) -> None:

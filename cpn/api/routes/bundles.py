@@ -104,6 +104,6 @@ def setup(app: web.Application) -> None:
         (put_final, RouteDoc("PUT", final, "Store the job's final weights (worker token)", "TrainingJob",
                              params=("name",))),
         (get_final, RouteDoc("GET", final, "Download the job's final weights (torch state_dict)", "TrainingJob",
-                             params=("name",))),
+                             params=("name",), later=True)),
     ]:
         add(app, handler, doc)
