@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core.db import as_utc
 from cpn.core.phases import SUBTASK_FAILED
+from layers.orchestration.lifecycle.agents import MAX_RANK
 from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.resource.models import ClusterRow, SiteRow
 from layers.service import billing
@@ -91,11 +92,13 @@ async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | Non
     for r in reports:
         try:
             rank, site = int(r["rank"]), int(r["site"])
+            step, tokens = int(r.get("step", 0)), int(r.get("jobTokens") or r.get("tokens") or 0)
         except (KeyError, TypeError, ValueError):
             continue
+        if not (0 <= rank <= MAX_RANK and 0 <= site <= MAX_RANK and 0 <= step < 2**63 and 0 <= tokens < 2**63):
+            continue  # not a report any worker sends: skipped like a malformed one, never a database error
         taken += 1
-        session.add(MetricRow(job=job.name, attempt=attempt, rank=rank, site=site, step=int(r.get("step", 0)),
-                              tokens=int(r.get("jobTokens") or r.get("tokens") or 0),
+        session.add(MetricRow(job=job.name, attempt=attempt, rank=rank, site=site, step=step, tokens=tokens,
                               train_loss=r.get("trainLoss"), val_loss=r.get("valLoss"),
                               tokens_per_second=float(r.get("tokensPerSecond") or 0.0),
                               wall_seconds=float(r.get("wallSeconds") or 0.0),

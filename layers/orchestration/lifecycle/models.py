@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Float, Index, Integer, String, Text
+from sqlalchemy import BigInteger, DateTime, Float, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cpn.core.db import Base, JSONType, Tracked, new_uid, utcnow
@@ -66,8 +66,8 @@ class MetricRow(Tracked, Base):
     attempt: Mapped[int] = mapped_column(Integer, nullable=False)
     rank: Mapped[int] = mapped_column(Integer, nullable=False)
     site: Mapped[int] = mapped_column(Integer, nullable=False)
-    step: Mapped[int] = mapped_column(Integer, nullable=False)
-    tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    step: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)  # cumulative: past 2**31 in large jobs
     train_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     val_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     tokens_per_second: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
