@@ -14,6 +14,7 @@ from cpn.runtime import presets
 from cpn.runtime.config import PS_STRATEGIES, STRATEGIES
 
 Strategy = Literal.__getitem__(("auto", *STRATEGIES))  # the runtime's strategies (one source) and "auto"
+OBJECTIVE_MAX = 1e6  # weights above overflow the planner's scores (1e308 x a cost is inf, inf x 0 NaN)
 DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # an OCI image reference: [registry[:port]/]path[:tag][@sha256:digest]
@@ -113,8 +114,10 @@ class PlacementRequest(CamelModel):
 
 
 class ObjectiveSpec(CamelModel):
-    cost: float = Field(default=0.5, ge=0)
-    time: float = Field(default=0.5, ge=0)
+    """Relative weights of cost and time in choosing the balanced quote (only their ratio matters)."""
+
+    cost: float = Field(default=0.5, ge=0, le=OBJECTIVE_MAX)
+    time: float = Field(default=0.5, ge=0, le=OBJECTIVE_MAX)
 
 
 class ParallelismSpec(CamelModel):

@@ -59,3 +59,12 @@ async def test_apply_takes_kinds_in_any_case_singular_plural_or_short(api) -> No
     err = (await resp.json())["error"]
     assert err["field"] == "items[0].kind"
     assert all(k in err["message"] for k in ("Cluster", "Link", "Site", "TrainingJob"))
+
+
+
+async def test_objective_weights_are_bounded(api) -> None:
+    """1e308 passed the schema and overflowed the planner's scores into a 500; now a 422 naming the field."""
+    resp = await submit(api, job(objective={"cost": 1e308, "time": 1}))
+    assert resp.status == 422
+    err = (await resp.json())["error"]
+    assert err["field"] == "spec.objective.cost", err

@@ -474,9 +474,15 @@ def diagnose(problem: Problem, solver: str) -> Infeasible:
     if req.budget is not None and cost > float(req.budget):
         return Infeasible(f"cheapest feasible placement costs {cost:.2f} {req.currency}, budget is "
                           f"{req.budget} {req.currency}", field="spec.budget")
-    return Infeasible(f"no placement meets both the deadline ({req.deadline_seconds / 3600:.3g} h) and "
-                      f"the budget ({req.budget} {req.currency}): the fastest takes {hours:.1f} h for "
-                      f"{fastest.prediction.est_cost:.2f} {req.currency}", field="spec.budget")
+    if req.deadline_seconds is not None and req.budget is not None:
+        return Infeasible(f"no placement meets both the deadline ({req.deadline_seconds / 3600:.3g} h) and "
+                          f"the budget ({req.budget} {req.currency}): the fastest takes {hours:.1f} h for "
+                          f"{fastest.prediction.est_cost:.2f} {req.currency}", field="spec.budget")
+    o = problem.objective  # placements fit, but none scored under these weights
+    return Infeasible(f"no placement could be scored with objective weights cost {o.cost:g} and time {o.time:g} "
+                      f"(the fastest fitting one takes {hours:.1f} h for {fastest.prediction.est_cost:.2f} "
+                      f"{req.currency}): use weights of similar size, e.g. cost 0.5 and time 0.5",
+                      field="spec.objective")
 
 
 def _relax(problem: Problem, deadline: float | None, budget: Decimal | None) -> Problem:

@@ -183,3 +183,15 @@ def test_offers_too_small_for_the_model_are_left_out():
                                         price_per_gpu_hour=Decimal("0.10"))]
     plan = placement.plan(job(), small_gpus, LINKS, Objective(cost=1.0, time=0.0), "heuristic")
     assert "cheap-24g" not in {a.cluster for a in plan.assignments}
+
+
+@pytest.mark.parametrize("weights", [(1e308, 1.0), (1.0, 1e308)])
+def test_weights_no_placement_can_score_with_are_named_not_a_crash(weights):
+    """Found by the seeded fuzz: objective weights near the float limit overflow every score (inf, then
+    NaN), the solver keeps nothing, and the diagnosis, which assumed a deadline and a budget were set,
+    divided None. The API bounds the weights (spec.objective.*, at most 1e6); the planner names them."""
+    cost, time = weights
+    try:
+        placement.plan(job(), OFFERS, LINKS, Objective(cost=cost, time=time), "heuristic")
+    except Infeasible as exc:
+        assert exc.field == "spec.objective" and "objective weights" in exc.message, exc
