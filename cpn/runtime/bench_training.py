@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpn.runtime.config import FaultConfig, StrategyConfig, TrainConfig
-from cpn.runtime.strategies.async_ps import PS_STRATEGIES
+from cpn.runtime.config import PS_STRATEGIES, FaultConfig, StrategyConfig, TrainConfig
 from cpn.runtime.topology import Topology
 
 MODIFIERS = {"int8", "fp16", "bf16", "fp32", "overlap", "sync", "equal", "balanced"}

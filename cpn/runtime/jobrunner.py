@@ -112,9 +112,9 @@ class CheckpointSync:
     client: httpx.Client | None
     sent: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (mtime_ns, size) uploaded
 
-    def _mark(self, name: str, path: Path | None = None) -> None:
-        st = path.stat() if path is not None else None
-        self.sent[name] = (st.st_mtime_ns, st.st_size) if st else (0, 0)
+    def _mark(self, name: str, path: Path) -> None:
+        st = path.stat()
+        self.sent[name] = (st.st_mtime_ns, st.st_size)
 
     def _unsent(self, name: str, path: Path) -> bool:
         """Not uploaded yet, or rewritten since (a resumed attempt saving a step again)."""
@@ -341,25 +341,26 @@ def supervise(spec: AttemptSpec, run_dir: Path, job_dir: Path | None = None, *, 
             sync.push()
         if all(w.exit_code is not None for w in workers):
             break
-        _write_status(run_dir, _status(workers, runner, message or note))
+        _write_status(run_dir, _status(workers, runner, phase, message or note))
         time.sleep(POLL_SECONDS)
-    _epilogue(workers, relay, sync, runner, run_dir, spec, client)
+    phase, message = _state(workers)  # every worker has exited: final
+    _epilogue(workers, relay, sync, run_dir, spec, client, weights=runner == "Running" and phase == "Succeeded")
     # only now does the site see the sub-task's end: its metrics, checkpoints and final weights are in
     # the API before the job can turn Succeeded (a report sent after that is refused)
-    _write_status(run_dir, _status(workers, "Finished" if runner == "Running" else runner, _state(workers)[1] or note))
+    _write_status(run_dir, _status(workers, "Finished" if runner == "Running" else runner, phase, message or note))
     return exit_code(workers, runner)
 
 
-def _status(workers: list[Worker], runner: str, message: str) -> dict[str, Any]:
-    phase = _state(workers)[0]
+def _status(workers: list[Worker], runner: str, phase: str, message: str) -> dict[str, Any]:
     codes = {str(w.rank): w.exit_code for w in workers}
     return {"phase": runner, "message": message,
             "subtask": {"phase": phase, "exitCodes": codes, "pids": [w.proc.pid for w in workers]}}
 
 
-def _epilogue(workers: list[Worker], relay: Relay, sync: CheckpointSync, runner: str, run_dir: Path,
-              spec: AttemptSpec, client: httpx.Client | None) -> None:
-    """After the workers exit: their last log lines, metrics, checkpoint files and final weights."""
+def _epilogue(workers: list[Worker], relay: Relay, sync: CheckpointSync, run_dir: Path, spec: AttemptSpec,
+              client: httpx.Client | None, *, weights: bool) -> None:
+    """After the workers exit: their last log lines, metrics, checkpoint files and (``weights``: the run
+    succeeded) the final weights."""
     for w in workers:
         if w.tee is not None:
             w.tee.join(timeout=5)
@@ -371,7 +372,7 @@ def _epilogue(workers: list[Worker], relay: Relay, sync: CheckpointSync, runner:
         time.sleep(1)
     with contextlib.suppress(httpx.HTTPError, OSError):
         sync.push()
-    if runner == "Running" and _state(workers)[0] == "Succeeded":
+    if weights:
         try:
             push_final(spec, run_dir, client)
         except (httpx.HTTPError, OSError) as exc:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from cpn.runtime import faults
 from cpn.runtime.autotune import resolve
-from cpn.runtime.config import ENV_RUN_DIR, FINAL_MODEL, TrainConfig
+from cpn.runtime.config import ENV_RUN_DIR, FINAL_MODEL, PS_STRATEGIES, TrainConfig
 from cpn.runtime.launcher import launch
 from cpn.runtime.strategies import strategy_class
-from cpn.runtime.strategies.async_ps import PS_STRATEGIES, check_ps
+from cpn.runtime.strategies.async_ps import check_ps
 from cpn.runtime.topology import Topology
 
 __all__ = ["FINAL_MODEL", "failure_lines", "main", "preflight", "run_local"]

@@ -32,13 +32,12 @@ from torch import nn
 
 from cpn.runtime import checkpoint, faults
 from cpn.runtime.autotune import resolve
-from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, FINAL_MODEL, TrainConfig
+from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_RUN_DIR, FINAL_MODEL, PS_STRATEGIES, TrainConfig
 from cpn.runtime.contract import ENV
 from cpn.runtime.device import select_device, synchronize
 from cpn.runtime.groups import Groups, init_groups
 from cpn.runtime.metrics import Recorder, default_sinks, gather_finals, summarize, write_summary
 from cpn.runtime.strategies import Context, Strategy, build_strategy
-from cpn.runtime.strategies.async_ps import PS_STRATEGIES
 from cpn.runtime.strategies.base import flat_params, load_flat
 
 __all__ = ["FINAL_MODEL", "Budget", "Job", "Trainer", "init"]

@@ -41,7 +41,18 @@ def new_quote(job_id: str | None, label: str, *, placement: list[dict[str, Any]]
 async def open_quotes(session: AsyncSession, job: JobRow) -> list[QuoteRow]:
     rows = (await session.execute(select(QuoteRow).where(QuoteRow.job_id == job.id, QuoteRow.state == "open")
                                   )).scalars().all()
+    return _by_label(rows)
+
+
+def _by_label(rows: Any) -> list[Any]:
+    """Quotes in LABELS order (cheapest, fastest, balanced), any other label last."""
     return sorted(rows, key=lambda q: LABELS.index(q.label) if q.label in LABELS else 99)
+
+
+def _shown(rows: list[Any], spec: dict[str, Any], status: dict[str, Any]) -> list[dict[str, Any]]:
+    """`views` of a job's quote rows, given its stored spec and status."""
+    reason = pricing_only_reason(TrainingJobSpec.model_validate(spec))
+    return views([public(q) for q in rows], status.get("quote") or RECOMMENDED, pricing_only=reason)
 
 
 async def find_quote(session: AsyncSession, job: JobRow, ref: str) -> QuoteRow:
@@ -64,8 +75,7 @@ async def job_quotes(session: AsyncSession, principal: Principal, name: str) -> 
     rows = await open_quotes(session, job)
     if not rows and job.status.get("quote"):
         rows = [await find_quote(session, job, job.status["quote"])]
-    reason = pricing_only_reason(TrainingJobSpec.model_validate(job.spec))
-    return views([public(q) for q in rows], job.status.get("quote") or RECOMMENDED, pricing_only=reason)
+    return _shown(rows, job.spec, job.status)
 
 
 _PUBLIC_COLUMNS = ("id", "label", "placement", "strategy", "predicted_seconds", "wan_gb", "total", "currency", "lines",
@@ -92,10 +102,7 @@ async def job_quotes_read_once(db: Database, principal: Principal, name: str) ->
     first = rows[0]
     if not JobStore().visible(principal, _Owned(first.job_owner, first.job_name)):
         return None
-    quotes = sorted(rows, key=lambda q: LABELS.index(q.label) if q.label in LABELS else 99)
-    reason = pricing_only_reason(TrainingJobSpec.model_validate(first.job_spec))
-    status = first.job_status or {}
-    return views([public(q) for q in quotes], status.get("quote") or RECOMMENDED, pricing_only=reason)
+    return _shown(_by_label(rows), first.job_spec, first.job_status or {})
 
 
 class _Owned:

@@ -11,7 +11,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from cpn.core.manifest import CamelModel, ManifestBase, Money
 from cpn.runtime import presets
-from cpn.runtime.config import PS_STRATEGIES, STRATEGIES
+from cpn.runtime.config import PS_STRATEGIES, STRATEGIES, StrategyConfig
 
 Strategy = Literal.__getitem__(("auto", *STRATEGIES))  # the runtime's strategies (one source) and "auto"
 OBJECTIVE_MAX = 1e6  # weights above overflow the planner's scores (1e308 x a cost is inf, inf x 0 NaN)
@@ -28,14 +28,8 @@ MODEL_PRESETS: dict[str, dict[str, int]] = presets.shapes()
 RUNNABLE_PRESETS = frozenset(presets.PRESETS)
 
 
-def _runtime_default(knob: str) -> int:
-    """The runtime's default of a strategy knob (cpn/runtime/config.py: one source)."""
-    from cpn.runtime.config import StrategyConfig
-
-    return int(StrategyConfig.model_fields[knob].default)
-
-
-BACKUP_WORKERS = _runtime_default("backup_workers")  # what an unset spec.backupWorkers runs with
+# what an unset spec.backupWorkers runs with: the runtime's default (cpn/runtime/config.py, one source)
+BACKUP_WORKERS = int(StrategyConfig.model_fields["backup_workers"].default)
 
 
 class ModelSpec(CamelModel):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cpn.runtime.config import FaultConfig, TrainConfig
-from cpn.runtime.strategies.async_ps import PS_STRATEGIES, Server, staleness_damping
+from cpn.runtime.config import PS_STRATEGIES, FaultConfig, TrainConfig
+from cpn.runtime.strategies.async_ps import Server, staleness_damping
 from cpn.runtime.strategies.ps_replicas import replica_ranks
 from cpn.runtime.topology import Topology
 from cpn.runtime.train import preflight

@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 
 from cpn.runtime import faults
-from cpn.runtime.config import PS_STRATEGIES as PS_STRATEGIES  # re-exported: strategies import it from here
-from cpn.runtime.config import TrainConfig
+from cpn.runtime.config import PS_STRATEGIES, TrainConfig
 from cpn.runtime.device import HOST
 from cpn.runtime.strategies import ps_replicas
 from cpn.runtime.strategies.base import (

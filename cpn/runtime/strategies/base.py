@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from cpn.runtime.codecs import ErrorFeedback, get_codec
 from cpn.runtime.collectives import Stats, broadcast_from_site_leader, site_allreduce
-from cpn.runtime.config import TrainConfig, trim_shares
+from cpn.runtime.config import PS_STRATEGIES, TrainConfig, trim_shares
 from cpn.runtime.data import ShardSampler
 from cpn.runtime.device import HOST, HostStage
 from cpn.runtime.groups import Groups
@@ -270,8 +270,6 @@ class Strategy:
         """Each rank's tokens in ``step``: its share of the global batch, or of what is left of the budget
         in the trimmed last step (:func:`~cpn.runtime.config.trim_shares`), so the job trains exactly
         ``cfg.tokens``. The parameter-server family counts its budget at the servers (async_ps.py)."""
-        from cpn.runtime.strategies.async_ps import PS_STRATEGIES
-
         ctx, cfg = self.ctx, self.cfg
         tokens = cfg.step_tokens(step)
         full = self.name in PS_STRATEGIES or tokens >= cfg.global_batch_tokens or tokens <= 0

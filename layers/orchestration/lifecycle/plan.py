@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cpn.runtime.config import PS_STRATEGIES
 from layers.control.topology import derive
 from layers.resource.capacity import LinkView
 from layers.service.schemas import MODEL_PRESETS, RUNNABLE_PRESETS, TrainingJobSpec, strategy_knobs
@@ -65,8 +66,6 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
     parameter-server strategies get one server per site (``ps = sites``), the layout the compute
     model prices (``layers.orchestration.planning.perf``), and the spec's backupWorkers and
     psReplicas (``schemas.strategy_knobs``)."""
-    from cpn.runtime.strategies.async_ps import PS_STRATEGIES
-
     preset = spec.model.preset if not isinstance(spec.model, str) else spec.model  # type: ignore[union-attr]
     if spec.code is not None:  # the user's code builds its model; the runtime's config only counts units
         preset, seq_len = "tiny", CODE_UNIT

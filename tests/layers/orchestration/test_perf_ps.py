@@ -9,8 +9,8 @@ from decimal import Decimal
 
 import pytest
 
+from cpn.runtime.config import PS_STRATEGIES as RUNTIME_PS
 from cpn.runtime.strategies import STRATEGIES as RUNTIME_STRATEGIES
-from cpn.runtime.strategies.async_ps import PS_STRATEGIES as RUNTIME_PS
 from layers.orchestration.planning import perf, types
 from layers.orchestration.planning.types import Assignment, WanLink
 from layers.service import schemas
