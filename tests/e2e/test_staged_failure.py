@@ -15,25 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from cpn.cli.demo import PROVIDERS, world
-from tests.api.test_pipeline_jobs import SMALL_GB
 from tests.e2e.test_lifecycle import World
+from tests.e2e.test_staged_job import SPEC, small_gpu_world
 
 pytestmark = pytest.mark.slow
-SPEC = {"model": "tiny", "tokens": 40_000, "globalBatchTokens": 768}  # 53 steps, a checkpoint every 10
 RESUMED = re.compile(r"resuming from the checkpoint of step (\d+)")
 
 
 @pytest.fixture
 def w(db_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
     world_ = World(db_url, tmp_path)
-    for provider in PROVIDERS:  # the providers declare small GPUs: no site holds a whole replica
-        docs = world(provider)
-        for doc in docs:
-            if doc["kind"] == "Cluster":
-                for pool in doc["spec"]["nodePools"]:
-                    pool["gpu"]["memoryGB"] = SMALL_GB
-        world_.call(world_.providers[provider], "POST", "/api/v1/apply", {"items": docs})
+    small_gpu_world(world_)
     yield world_
     world_.close()
 

@@ -17,19 +17,26 @@ from tests.e2e.test_lifecycle import World
 pytestmark = pytest.mark.slow
 
 
+SPEC = {"model": "tiny", "tokens": 40_000, "globalBatchTokens": 768}  # 53 steps, a checkpoint every 10
+
+
+def small_gpu_world(w: World) -> None:
+    """The demo's providers, their clusters declaring small GPUs (SMALL_GB): no site holds a whole replica."""
+    for provider in PROVIDERS:
+        docs = world(provider)
+        for doc in docs:
+            if doc["kind"] == "Cluster":
+                for pool in doc["spec"]["nodePools"]:
+                    pool["gpu"]["memoryGB"] = SMALL_GB
+        w.call(w.providers[provider], "POST", "/api/v1/apply", {"items": docs})
+
+
 def test_a_model_too_big_for_one_site_runs_as_a_pipeline_to_succeeded(db_url: str, tmp_path: Path) -> None:
     w = World(db_url, tmp_path)
     try:
-        for provider in PROVIDERS:  # the providers declare small GPUs (memory as stated in the catalogue)
-            docs = world(provider)
-            for doc in docs:
-                if doc["kind"] == "Cluster":
-                    for pool in doc["spec"]["nodePools"]:
-                        pool["gpu"]["memoryGB"] = SMALL_GB
-            w.call(w.providers[provider], "POST", "/api/v1/apply", {"items": docs})
-        spec = {"model": "tiny", "tokens": 40_000, "globalBatchTokens": 768}
+        small_gpu_world(w)
         w.call(w.user, "POST", "/api/v1/jobs", {"apiVersion": "cpn/v1", "kind": "TrainingJob",
-                                               "metadata": {"name": "staged"}, "spec": spec})
+                                               "metadata": {"name": "staged"}, "spec": SPEC})
         quotes = w.call(w.user, "GET", "/api/v1/jobs/staged/quotes")["items"]
         assert quotes and all(q["strategy"] == "pipeline" for q in quotes), quotes
         balanced = next(q for q in quotes if q["label"] == "balanced")
