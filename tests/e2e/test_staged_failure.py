@@ -7,6 +7,7 @@ saying why."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -45,8 +46,9 @@ def _kill_site(w: World, name: str, cluster: str) -> None:
     """kill -9 of the cluster's agent and of the job's workers there, at once (the site is gone)."""
     pids = w.status(name, cluster)["subtask"]["pids"]
     w.sites.kill(cluster)
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    for pid in pids:  # a worker may already be gone with its agent (it dies with its parent)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _events(w: World, name: str) -> list[dict]:

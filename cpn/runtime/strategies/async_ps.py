@@ -32,6 +32,7 @@ import math
 import struct
 import threading
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -68,6 +69,22 @@ def primary_ranks(topology: Topology, count: int) -> list[int]:
 
 def server_ranks(ctx: Context, count: int) -> list[int]:
     return primary_ranks(ctx.groups.topology, count)
+
+
+def beside(fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` on a daemon thread. A call to a shard this process serves runs beside the remote ones: a
+    ps_sync shard blocks until its step is applied, and a worker blocked there must not hold back its push
+    to another shard (two workers each waiting on the other's next push stall every step to the timeout)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
@@ -285,23 +302,20 @@ class AsyncPS(Strategy):
     def _rpc(self, grad: torch.Tensor, op: float) -> torch.Tensor:
         theta = torch.empty(grad.numel(), device=HOST)
         shards = range(len(self.bounds))
-        # remote calls go out first: a local ps_sync shard blocks until its step is applied, and the
-        # other shards' servers should not wait for this worker's pushes meanwhile
-        order = sorted(shards, key=lambda k: (k, self.route[k]) in self.local)
         with self.ctx.timers.timed("comm"):
-            calls = {k: self._start(k, grad, op) for k in order}
+            calls = {k: self._start(k, grad, op) for k in shards}
             for k in shards:
                 lo, hi = self.bounds[k]
                 theta[lo:hi] = self._finish(k, grad, op, calls[k])
         return theta
 
     def _start(self, k: int, grad: torch.Tensor, op: float) -> Any:
-        """Shard k's call to its current replica: the reply (local), the receive in flight, or None (lost)."""
+        """Shard k's call to its current replica, in flight: a local call's future, a remote receive, or None (lost)."""
         lo, hi = self.bounds[k]
         j = self.route[k]
         server = self.local.get((k, j))
         if server is not None:
-            return server.handle(self.ctx.rank, grad[lo:hi], self.progress, op, self.tags[k])
+            return beside(server.handle, self.ctx.rank, grad[lo:hi], self.progress, op, self.tags[k])
         msg = torch.cat([grad[lo:hi], torch.tensor([self.progress, op, float(self.tags[k])], device=HOST)])
         out = torch.empty(hi - lo + 1, device=HOST)
         try:
@@ -313,8 +327,8 @@ class AsyncPS(Strategy):
 
     def _finish(self, k: int, grad: torch.Tensor, op: float, call: Any) -> torch.Tensor:
         while True:
-            if isinstance(call, torch.Tensor):
-                reply = call
+            if isinstance(call, Future):
+                reply = call.result()
                 break
             if call is not None:
                 out, work = call
