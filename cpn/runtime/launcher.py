@@ -69,6 +69,7 @@ class WorkerResult:
     exit_code: int | None
     result: Any = None
     log: str = ""
+    stopped: str | None = None  # the launcher stopped it while it ran: "timeout" or "failure" (another rank's)
 
     @property
     def ok(self) -> bool:
@@ -166,6 +167,7 @@ class _Worker:
     proc: subprocess.Popen[bytes] | _Forked
     result_path: Path
     log_path: Path | None
+    stopped: str | None = None
 
 
 def _fork(env: dict[str, str], log_path: Path | None) -> _Forked:
@@ -181,6 +183,10 @@ def _fork(env: dict[str, str], log_path: Path | None) -> _Forked:
             fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
+            # Python's own streams too: a parent's may be redirected elsewhere (pytest's capture), and a
+            # traceback written there would be missing from the worker's log
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(env)
         code = _worker_main()
@@ -252,9 +258,10 @@ def _popen(argv: list[str], env: dict[str, str], log_path: Path | None) -> subpr
             out.close()
 
 
-def _kill(workers: list[_Worker], grace: float = 3.0) -> None:
+def _kill(workers: list[_Worker], why: str | None, grace: float = 3.0) -> None:
     for w in workers:
         if w.proc.poll() is None:
+            w.stopped = why or "launcher"
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -288,7 +295,7 @@ def _collect(workers: list[_Worker]) -> list[WorkerResult]:
     for w in workers:
         value = pickle.loads(w.result_path.read_bytes()) if w.result_path.exists() else None
         log = w.log_path.read_text(errors="replace")[-4000:] if w.log_path and w.log_path.exists() else ""
-        results.append(WorkerResult(w.rank, w.site, w.proc.returncode, value, log))
+        results.append(WorkerResult(w.rank, w.site, w.proc.returncode, value, log, w.stopped))
     return results
 
 
@@ -354,10 +361,11 @@ def launch(
         rundir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cpn-launch-")))
         wan = stack.enter_context(WanEmulator(topology, rate, per_link=per_link)) if emulate else None
         workers = _start(topology, ref, args, rundir, wan, env or {}, capture_output, fork)
+        why = "interrupted"
         try:
             why = _wait(workers, _seconds(timeout), failure_grace)
         finally:
-            _kill(workers)
+            _kill(workers, why)
         results = _collect(workers)
     if check:
         _raise_for(why, results, timeout)

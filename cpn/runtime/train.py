@@ -67,11 +67,20 @@ def preflight(config: TrainConfig, topology: Topology) -> None:
                          f"{config.seq_len}: raise corpus_bytes or use fewer workers")
 
 
-def failure_lines(results: list, planned: set[int]) -> list[str]:
-    """Each failing rank's last error line (the exception, not the traceback around it)."""
+def failure_lines(results: list, planned: set[int], timeout: float | None = None) -> list[str]:
+    """Each failing rank's last error line (the exception, not the traceback around it); a rank the
+    launcher stopped says so (the timeout, or another rank's failure), not an exit code of its own."""
     lines = []
     for r in results:
         if r.exit_code == 0 or r.exit_code in planned:
+            continue
+        stopped = getattr(r, "stopped", None)
+        if stopped == "timeout":
+            within = f" within {timeout:.0f} s" if timeout else ""
+            lines.append(f"rank {r.rank} (site {r.site}) had not finished{within}: stopped (raise the timeout)")
+            continue
+        if stopped is not None:
+            lines.append(f"rank {r.rank} (site {r.site}) was stopped after another rank failed")
             continue
         tail = [line.strip() for line in r.log.splitlines() if line.strip()]
         errors = [line for line in tail if "Error" in line or "Exception" in line or line.startswith("RuntimeError")]
@@ -103,7 +112,7 @@ def run_local(config: TrainConfig, topology: Topology, wan_mbps: float | None = 
     logs.mkdir(exist_ok=True)
     for r in results:
         (logs / f"rank{r.rank}.log").write_text(r.log)
-    bad = failure_lines(results, planned)
+    bad = failure_lines(results, planned, timeout)
     summary_path = run_dir / "summary.json"
     if bad or not summary_path.exists():
         causes = "; ".join(bad) or "no summary was written"

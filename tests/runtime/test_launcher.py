@@ -1,0 +1,50 @@
+"""What the launcher tells about a worker that failed or that it had to stop."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from cpn.runtime.launcher import launch
+from cpn.runtime.topology import Topology
+from cpn.runtime.train import failure_lines
+
+TWO = Topology.uniform(1, 2)
+
+
+def _raise_on_rank_1(rank: int) -> str:
+    import os
+    if int(os.environ["RANK"]) == 1:
+        print("rank 1 is about to fail", file=sys.stderr)
+        raise ValueError("the shard is too small")
+    return "ok"
+
+
+def _sleep_on_rank_1(seconds: float) -> str:
+    import os
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(seconds)
+    return "ok"
+
+
+def test_a_forked_workers_traceback_lands_in_its_own_log_not_the_parents_stream() -> None:
+    """Under pytest's capture the parent's sys.stderr is not file descriptor 2: a forked worker used to
+    write there, and its failure read "exited 1: (no output)"."""
+    results = launch(TWO, f"{__name__}:_raise_on_rank_1", [0], capture_output=True, check=False,
+                     start_method="fork", timeout=60, failure_grace=5)
+    by_rank = {r.rank: r for r in results}
+    assert by_rank[0].ok and by_rank[0].result == "ok"
+    assert "rank 1 is about to fail" in by_rank[1].log and "ValueError: the shard is too small" in by_rank[1].log
+    assert failure_lines(results, set()) == ["rank 1 (site 0) exited 1: ValueError: the shard is too small"]
+
+
+def test_a_worker_stopped_at_the_timeout_is_named_as_such_not_as_a_silent_exit() -> None:
+    started = time.monotonic()
+    results = launch(TWO, f"{__name__}:_sleep_on_rank_1", [60.0], capture_output=True, check=False,
+                     start_method="fork", timeout=2)
+    assert time.monotonic() - started < 30
+    by_rank = {r.rank: r for r in results}
+    assert by_rank[0].ok and by_rank[0].stopped is None
+    assert by_rank[1].stopped == "timeout" and not by_rank[1].ok
+    assert failure_lines(results, set(), timeout=2) == [
+        "rank 1 (site 0) had not finished within 2 s: stopped (raise the timeout)"]
