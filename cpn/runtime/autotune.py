@@ -179,6 +179,8 @@ def resolve(cfg: TrainConfig, topology: Topology, wan_mbps: float | None = None)
     step_s = _step_compute_seconds(cfg, topology)
     h, compression, overlap, tau = choose(name, _job(cfg, topology), link, step_s, inner_steps=s.inner_steps,
                                           compression=s.compression, overlap=s.overlap)
+    if name == "pipeline" and s.inner_steps is None and topology.num_sites > (s.stages or topology.num_sites):
+        h = _h(_job(cfg, topology), "none")  # replicas of the pipeline average as local SGD does
     tau = s.overlap_steps if s.overlap_steps is not None else tau
     rounds = cfg.total_steps / max(1, h)
     momentum = s.outer_momentum

@@ -20,14 +20,14 @@ from cpn.runtime.topology import Topology
 
 # flag name -> (config path, click option kwargs)
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "strategy": ("strategy.name", {"default": "ddp", "help": "auto, ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps, ps_sync, ps_backup"}),
+    "strategy": ("strategy.name", {"default": "ddp", "help": "auto, ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps, ps_sync, ps_backup, pipeline"}),
     "model": ("model", {"default": "small", "help": "model preset: tiny, small, medium, base, large"}),
     "tokens": ("tokens", {"type": int, "default": 2_000_000, "help": "token budget over all workers"}),
     "global_batch": ("global_batch_tokens", {"type": int, "default": 16_384, "help": "tokens per global step"}),
     "seq_len": ("seq_len", {"type": int, "default": 128}),
     "lr": ("lr", {"type": float, "default": 3e-3}),
     "inner_steps": ("strategy.inner_steps", {"type": int, "default": None,
-                                             "help": "H (diloco, local_sgd, gossip, ssp); default: from budget, sites, link"}),
+                                             "help": "H (diloco, local_sgd, gossip, ssp, pipeline replicas); default: from budget, sites, link"}),
     "outer_lr": ("strategy.outer_lr", {"type": float, "default": None, "help": "default: 1 (plain averaging) for < 50 rounds, else 0.7"}),
     "outer_momentum": ("strategy.outer_momentum", {"type": float, "default": None, "help": "default: 0 for < 50 rounds, else 0.9"}),
     "nesterov/--no-nesterov": ("strategy.nesterov", {"default": None}),
@@ -48,6 +48,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "ps_damping/--no-ps-damping": ("strategy.ps_damping", {"default": True,
                                                            "help": "async_ps: learning rate x min(1, N/(1+staleness)) per push"}),
     "gossip_neighbours": ("strategy.gossip_neighbours", {"type": int, "default": 1}),
+    "stages": ("strategy.stages", {"type": int, "default": None,
+                                   "help": "pipeline: stages, one per site (default: --sites; a divisor of it runs "
+                                           "sites/stages replicas of the pipeline, averaged every --inner-steps)"}),
+    "micro_batches": ("strategy.micro_batches", {"type": int, "default": 8, "help": "pipeline: micro-batches per rank and step"}),
     "wan_timeout": ("strategy.wan_timeout_seconds", {"type": float, "default": 60.0, "help": "seconds before a silent site is dropped"}),
     "val_every": ("val_every", {"type": int, "default": 50}),
     "seed": ("seed", {"type": int, "default": 0}),

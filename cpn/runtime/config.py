@@ -59,7 +59,8 @@ class StrategyConfig(_Model):
     """
 
     name: StrategyName | Literal["auto"] = "ddp"
-    inner_steps: int | None = Field(None, ge=1, description="H: inner steps between outer syncs (diloco, local_sgd, gossip)")
+    inner_steps: int | None = Field(None, ge=1, description="H: inner steps between outer syncs (diloco, local_sgd, gossip; "
+                                                        "pipeline replicas: steps between averages, 1 = every step's gradients)")
     outer_lr: float | None = Field(None, gt=0)
     outer_momentum: float | None = Field(None, ge=0, lt=1)
     nesterov: bool | None = None
@@ -81,7 +82,8 @@ class StrategyConfig(_Model):
                           "overlap); false: one all-reduce after the whole backward pass")
     gossip_neighbours: int = Field(1, ge=1, le=2)
     stages: int | None = Field(
-        None, ge=1, description="pipeline: stages the model is cut into, one per site (None: the number of sites)")
+        None, ge=1, description="pipeline: stages the model is cut into, one per site (None: the number of sites; "
+                          "fewer: sites / stages replicas of the pipeline)")
     micro_batches: int = Field(
         8, ge=1, description="pipeline: micro-batches each rank's share of a step is split into (1F1B schedule)")
     wan_timeout_seconds: float = Field(60.0, gt=0, description="a WAN exchange slower than this marks a site dead")

@@ -18,11 +18,19 @@ bubble plus the WAN transfer) is measured and reported as ``bubble_fraction``; t
 free links is ``(P-1)/(M+P-1)``. ``strategy.compression`` (fp16/bf16/int8, default none) encodes
 what crosses a cut in both directions.
 
+Replicas (``stages`` P below the job's S sites, S = D·P): sites d·P … d·P+P−1 run replica d of the
+whole pipeline on its 1/D of each step's sequences (stage 0's local rank j of replica d reads shard
+d·W+j of D·W). The replicas of a stage combine as local SGD does (``strategy.inner_steps`` H): every
+H steps, and before each validation and at the end, each stage's parameters are averaged over its D
+copies (a ring all-reduce of the stage, counted as ``wan_replica_bytes``); with H = 1 the replicas
+instead average the stage's gradients every step (token-weighted), the same optimisation as one
+process training the whole batch. ``auto`` (H unset) picks H as for local SGD: the smallest that
+keeps the exchange within a fraction of ddp's WAN bytes. Losing a site stops the whole job (its
+collectives fail); the orchestrator re-places it from the last checkpoint as for any synchronous job.
+
 The training loop evaluates on rank 0 with the whole model, so before each validation (and at the
-end) every later stage's site leader sends its stage's parameters to rank 0: counted as WAN bytes
-(``wan_eval_bytes``), not part of the training traffic. One pipeline per job (``stages`` equal to
-the number of sites, the same number of workers at each); replicas of the pipeline combined with
-diloco are not built yet.
+end) every later stage's site leader of replica 0 sends its stage's parameters to rank 0: counted
+as WAN bytes (``wan_eval_bytes``), not part of the training traffic.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
@@ -73,6 +82,7 @@ class PipeStats:
     activation_bytes: int = 0
     gradient_bytes: int = 0
     eval_bytes: int = 0
+    replica_bytes: int = 0
 
 
 class Pipeline(Strategy):
@@ -84,9 +94,9 @@ class Pipeline(Strategy):
         from cpn.runtime.presets import PRESETS
 
         sites, stages = topology.num_sites, cfg.strategy.stages or topology.num_sites
-        if stages != sites:
-            raise ValueError(f"strategy.stages {stages} must equal the job's {sites} sites (one stage per site; "
-                             f"replicas of the pipeline are not supported yet): drop stages or set it to {sites}")
+        if stages > sites or sites % stages:
+            raise ValueError(f"strategy.stages {stages} must divide the job's {sites} sites (one stage per site, "
+                             f"each replica of the pipeline on {stages} sites): drop stages or set a divisor of {sites}")
         if not topology.is_uniform:
             raise ValueError(f"pipeline needs the same number of workers at every site, got "
                              f"{[s.ranks for s in topology.sites]}: even out the sites")
@@ -99,9 +109,12 @@ class Pipeline(Strategy):
         super().__init__(ctx)
         topo = ctx.groups.topology
         self.check(self.cfg, topo)
-        self.P, self.W, self.local = topo.num_sites, topo.workers_per_site, ctx.groups.local_rank
+        self.P = self.cfg.strategy.stages or topo.num_sites
+        self.D, self.W, self.local = topo.num_sites // self.P, topo.workers_per_site, ctx.groups.local_rank
+        self.replica = ctx.site // self.P
+        self.H = self.cfg.strategy.inner_steps or 1
         self.cuts = cut_model(self.model, self.P)
-        self.stage = Stage(self.model, self.cuts[ctx.site])
+        self.stage = Stage(self.model, self.cuts[self.s])
         self.params = self.stage.params()
         self.opt = make_optimizer(self.cfg, self.params)
         self.codec = get_codec(self.cfg.strategy.compression)
@@ -109,29 +122,48 @@ class Pipeline(Strategy):
         self.stats = PipeStats()
         if self.stage.has_embed:  # the stage's ranks split the whole corpus (the worker's own sampler has 1/world)
             train = split_corpus(load_corpus(self.cfg.corpus_bytes)).train
-            self.sampler = ShardSampler(train, shard=self.local, num_shards=self.W, seq_len=self.cfg.seq_len,
-                                        seed=self.cfg.seed)
-        self.my_tokens = self.stage_tokens = 0
-        self._gathered = -1
+            self.sampler = ShardSampler(train, shard=self.replica * self.W + self.local, num_shards=self.D * self.W,
+                                        seq_len=self.cfg.seq_len, seed=self.cfg.seed)
+        self.my_tokens = self.stage_tokens = self.step_tokens = 0
+        self._gathered = self._averaged = -1
+        self.copies = self._replica_group(topo)
+
+    def _replica_group(self, topo: Topology) -> dist.ProcessGroup | None:
+        """This rank's group with the same stage and local rank in every replica (every rank builds
+        every group, in the same order, as torch.distributed requires)."""
+        if self.D == 1:
+            return None
+        mine = None
+        timeout = timedelta(seconds=max(60.0, 4 * self.cfg.strategy.wan_timeout_seconds))
+        for stage in range(self.P):
+            for j in range(self.W):
+                ranks = [topo.global_rank(d * self.P + stage, j) for d in range(self.D)]
+                group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                if self.ctx.rank in ranks:
+                    mine = group
+        return mine
 
     # ------------------------------------------------------------------ peers
     def _peer(self, stage: int) -> int:
-        return self.ctx.groups.topology.global_rank(stage, self.local)
+        return self.ctx.groups.topology.global_rank(self.replica * self.P + stage, self.local)
 
     @property
     def s(self) -> int:
-        return self.ctx.site
+        """This site's stage (its place in its replica of the pipeline)."""
+        return self.ctx.site % self.P
 
     # ------------------------------------------------------------------ the step
     def plan_step(self, step: int) -> None:
-        """Every stage's local rank j takes the j-th share of the step; the tokens are reported by
-        stage 0's ranks only (each token is trained once, by the whole pipeline)."""
-        ctx, cfg = self.ctx, self.cfg
-        per_local = trim_shares(cfg.step_tokens(step), cfg.shares(self.W), cfg.seq_len)
-        self.my_tokens, self.stage_tokens = per_local[self.local], sum(per_local)
+        """Every stage's local rank j of replica d takes the (d·W+j)-th share of the step; the tokens are
+        reported by stage 0's ranks only (each token is trained once, by one whole pipeline)."""
+        ctx, cfg, topo = self.ctx, self.cfg, self.ctx.groups.topology
+        per_rank = trim_shares(cfg.step_tokens(step), cfg.shares(self.D * self.W), cfg.seq_len)
+        mine = per_rank[self.replica * self.W:(self.replica + 1) * self.W]
+        self.my_tokens, self.stage_tokens, self.step_tokens = mine[self.local], sum(mine), sum(per_rank)
         share = [0] * ctx.groups.world_size
-        for j, r in enumerate(ctx.groups.topology.ranks_of(0)):
-            share[r] = per_local[j]
+        for d in range(self.D):
+            for j, r in enumerate(topo.ranks_of(d * self.P)):
+                share[r] = per_rank[d * self.W + j]
         ctx.step_share = share
 
     def forward_backward(self, step: int) -> float | None:
@@ -271,10 +303,42 @@ class Pipeline(Strategy):
                 ctx.account(site_allreduce(grads, ctx.groups, op="avg"))
         if self.stage.ties_embedding:
             self._sum_tied_grad()
-        if self.stage_tokens:
+        if self.D > 1 and self.H == 1:
+            self._average_grads()
+        if self.stage_tokens or (self.D > 1 and self.H == 1 and self.step_tokens):
             self._inner_step()
-        if (step + 1) % self.cfg.val_every == 0:
-            self._gather(step + 1)
+        done = step + 1
+        if self.D > 1 and self.H > 1 and (done % self.H == 0 or done % self.cfg.val_every == 0):
+            self._average(done)
+        if done % self.cfg.val_every == 0:
+            self._gather(done)
+
+    # ------------------------------------------------------------------ across replicas
+    def _replica_allreduce(self, flat: Tensor) -> None:
+        """Sum ``flat`` over this stage's copies in the D replicas (a ring across their sites)."""
+        nbytes = flat.numel() * flat.element_size()
+        sent = 2 * (self.D - 1) * nbytes // self.D
+        self.ctx.timers.wan_bytes += sent
+        self.stats.replica_bytes += sent
+        with self.ctx.timers.timed("comm"):
+            dist.all_reduce(flat, group=self.copies)
+
+    def _average_grads(self) -> None:
+        """H = 1: the stage's gradients, token-weighted over the replicas (each replica's are its mean)."""
+        grads = [p.grad for p in self.params]
+        flat = flat_params_of(grads)
+        flat.mul_(self.stage_tokens / self.step_tokens if self.step_tokens else 0.0)
+        self._replica_allreduce(flat)
+        _load(grads, flat)
+
+    def _average(self, done: int) -> None:
+        """Local SGD across replicas: each stage's parameters become the mean of its D copies."""
+        if done == self._averaged:
+            return
+        self._averaged = done
+        flat = flat_params_of(self.params)
+        self._replica_allreduce(flat)
+        _load(self.params, flat.div_(self.D))
 
     def _sum_tied_grad(self) -> None:
         """First and last stage add their gradients of the token table (a + b == b + a exactly)."""
@@ -304,7 +368,7 @@ class Pipeline(Strategy):
                     flat = torch.empty(sum(p.numel() for p in owned), device=HOST)
                     self._recv(flat, self._peer_leader(cut.index), GATHER_TAG)
                     _load(owned, flat)
-            elif ctx.is_leader and self.s > 0:
+            elif ctx.is_leader and self.s > 0 and self.replica == 0:
                 self._send(flat_params_of(self.stage.owned_params()), 0, GATHER_TAG, "eval")
                 self._wait_sends()
 
@@ -319,9 +383,12 @@ class Pipeline(Strategy):
         return self.ctx.groups.topology.leader_rank(stage)
 
     def finish(self, step: int) -> None:
+        if self.D > 1 and self.H > 1:
+            self._average(step)
         self._gather(step)
         record = {"idle": self.stats.idle, "schedule": self.stats.schedule, "activation": self.stats.activation_bytes,
-                  "gradient": self.stats.gradient_bytes, "eval": self.stats.eval_bytes}
+                  "gradient": self.stats.gradient_bytes, "eval": self.stats.eval_bytes,
+                  "replica": self.stats.replica_bytes}
         self.ctx.store.set(f"{STATS_KEY}/{self.ctx.rank}", json.dumps(record))
 
     def summary_extras(self) -> dict[str, Any]:
@@ -329,7 +396,7 @@ class Pipeline(Strategy):
         records = [json.loads(self.ctx.store.get(f"{STATS_KEY}/{r}")) for r in ranks]
         schedule = sum(r["schedule"] for r in records)
         names = unit_names(self.model)
-        m = min(self.cfg.strategy.micro_batches, max(1, self.cfg.shares(self.W)[-1]))
+        m = min(self.cfg.strategy.micro_batches, max(1, self.cfg.shares(self.D * self.W)[-1]))
         return {
             "bubble_fraction": round(sum(r["idle"] for r in records) / schedule, 4) if schedule else None,
             "bubble_ideal": round(ideal_bubble(self.P, m), 4),
@@ -338,6 +405,9 @@ class Pipeline(Strategy):
             "wan_activation_bytes": sum(r["activation"] for r in records),
             "wan_gradient_bytes": sum(r["gradient"] for r in records),
             "wan_eval_bytes": sum(r["eval"] for r in records),
+            "replicas": self.D,
+            "inner_steps": self.H if self.D > 1 else None,
+            "wan_replica_bytes": sum(r["replica"] for r in records),
         }
 
 
