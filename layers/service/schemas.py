@@ -121,14 +121,15 @@ class ParallelismSpec(CamelModel):
     pipeline_stages: int | None = Field(default=None, ge=2, le=64, description=(
         "Cut the model into exactly this many pipeline stages, one per site (strategy pipeline)"))
     data_replicas: int = Field(default=1, ge=1, le=64, description=(
-        "Replicas of the whole pipeline; the runtime runs one (1) for now"))
+        "Replicas of the whole pipeline; the planner places one (1) for now"))
 
     @field_validator("data_replicas")
     @classmethod
     def _one_replica(cls, v: int) -> int:
         if v > 1:
-            raise ValueError(f"{v} replicas of the pipeline: CPN's runtime runs one pipeline per job for now "
-                             "(replicas combined with diloco are not built yet); set dataReplicas to 1")
+            raise ValueError(f"{v} replicas of the pipeline: the planner places one pipeline per job for now "
+                             "(the runtime's replicas run through `cpn train --strategy pipeline --stages P` on a "
+                             "multiple of P sites); set dataReplicas to 1")
         return v
 
 

@@ -49,7 +49,7 @@ def allowed(req: JobRequirements) -> str | None:
     if req.workload != "lm":
         return "the pipeline strategy cuts CPN's built-in models only, not spec.code"
     if req.data_replicas > 1:
-        return (f"spec.parallelism.dataReplicas {req.data_replicas}: the runtime runs one replica of the "
+        return (f"spec.parallelism.dataReplicas {req.data_replicas}: the planner places one replica of the "
                 "pipeline; set dataReplicas to 1")
     return None
 
