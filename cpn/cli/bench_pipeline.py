@@ -41,7 +41,9 @@ def placement_fit(spec: str, opts: PipelineBenchOptions) -> str | None:
         need = perf.worker_memory_gb(req)
         return None if need <= declared else \
             f"the whole replica needs {memory(need)} per GPU; the sites declare {memory(declared)}"
-    stages = opts.sites
+    from cpn.runtime.bench_pipeline import replicas_of
+
+    stages = opts.sites // replicas_of(spec)
     # the micro-batches 1F1B keeps in flight: the run's own, whole sequences per stage-0 worker
     micro = max(1, min(opts.micro_batches, opts.global_batch // opts.seq_len // opts.workers_per_site))
     cuts = perf.stage_cuts(req, stages)
@@ -51,7 +53,7 @@ def placement_fit(spec: str, opts: PipelineBenchOptions) -> str | None:
 
 
 @click.command("pipeline")
-@click.option("--sites", type=int, default=3, help="sites = pipeline stages")
+@click.option("--sites", type=int, default=3, help="sites = pipeline stages (x replicas for pipeline*D)")
 @click.option("--workers-per-site", type=int, default=1)
 @click.option("--wan-mbps", type=float, default=None, help="WAN rate per site in Mbit/s (needs root)")
 @click.option("--model", default="small")
@@ -62,7 +64,8 @@ def placement_fit(spec: str, opts: PipelineBenchOptions) -> str | None:
 @click.option("--lr", type=float, default=3e-3)
 @click.option("--gpu-memory-gb", type=float, default=None,
               help="GB each site's GPU declares: a strategy whose placement does not fit is reported, not run")
-@click.option("--strategies", default="ddp,pipeline", help="comma-separated: ddp, pipeline, pipeline+int8|fp16|bf16")
+@click.option("--strategies", default="ddp,pipeline", help="comma-separated: ddp, pipeline, pipeline*D (D replicas of a sites/D-stage pipeline), "
+                   "pipeline+int8|fp16|bf16")
 @click.option("--out", type=click.Path(file_okay=False), default="docs/benchmarks")
 @click.option("--json", "as_json", is_flag=True)
 def bench_pipeline_cmd(as_json: bool, strategies: str, out: str, **options: Any) -> None:

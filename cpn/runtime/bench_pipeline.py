@@ -51,19 +51,33 @@ class PipelineBenchOptions:
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"gpu_memory_gb {self.gpu_memory_gb:g}: give the GB each GPU declares, above 0")
         for spec in self.strategies:
-            name, *mods = spec.split("+")
-            if name not in ("ddp", "pipeline") or (mods and (name != "pipeline" or len(mods) > 1 or mods[0] not in CODECS)):
-                raise ValueError(f"strategy {spec!r}: use ddp, pipeline or pipeline+CODEC with CODEC one of {', '.join(CODECS)}")
+            head, *mods = spec.split("+")
+            name, star, count = head.partition("*")
+            if name not in ("ddp", "pipeline") or (mods and (name != "pipeline" or len(mods) > 1 or mods[0] not in CODECS)) \
+                    or (star and (name != "pipeline" or not count.isdigit() or int(count) < 1)):
+                raise ValueError(f"strategy {spec!r}: use ddp, pipeline, pipeline*D (D replicas) or pipeline+CODEC "
+                                 f"with CODEC one of {', '.join(CODECS)}")
+            if star and self.sites % int(count):
+                raise ValueError(f"strategy {spec!r}: {count} replicas do not divide the {self.sites} sites")
 
     @property
     def steps(self) -> int:
         return -(-self.tokens // self.global_batch)
 
 
+def replicas_of(spec: str) -> int:
+    """D of ``pipeline*D`` (1 otherwise): the run is D replicas of a sites/D-stage pipeline."""
+    head = spec.split("+")[0]
+    return int(head.partition("*")[2] or 1)
+
+
 def train_config(spec: str, opts: PipelineBenchOptions) -> TrainConfig:
     name, *mods = spec.split("+")
+    name = name.partition("*")[0]
+    replicas = replicas_of(spec)
     strategy = StrategyConfig(name=name, compression=mods[0] if mods else "none",
-                              micro_batches=opts.micro_batches, wan_timeout_seconds=300.0)
+                              micro_batches=opts.micro_batches, wan_timeout_seconds=300.0,
+                              stages=opts.sites // replicas if replicas > 1 else None)
     return TrainConfig(model=opts.model, tokens=opts.tokens, global_batch_tokens=opts.global_batch,
                        seq_len=opts.seq_len, lr=opts.lr, strategy=strategy,
                        val_every=max(1, opts.steps // 10), val_batches=4)
@@ -89,7 +103,7 @@ def time_to_loss(curve: list[dict[str, Any]], target: float | None) -> float | N
 Fit = Callable[[str, PipelineBenchOptions], str | None]
 RESULT_KEYS = ("wall_seconds", "final_val_loss", "wan_bytes", "bubble_fraction", "tokens", "wan_activation_bytes",
                "wan_gradient_bytes", "wan_eval_bytes", "bubble_ideal", "stages", "initial_val_loss",
-               "compute_utilization", "time_to_ddp_loss_seconds")
+               "compute_utilization", "time_to_ddp_loss_seconds", "replicas", "inner_steps", "wan_replica_bytes")
 
 
 def infeasible_result(label: str, reason: str) -> dict[str, Any]:
@@ -119,6 +133,7 @@ def result_of(label: str, s: dict[str, Any], ddp_loss: float | None) -> dict[str
         "wan_eval_bytes": s.get("wan_eval_bytes", 0), "bubble_ideal": s.get("bubble_ideal"),
         "stages": s.get("stages"), "initial_val_loss": s["initial_val_loss"],
         "compute_utilization": s["compute_utilization"],
+        "replicas": s.get("replicas"), "inner_steps": s.get("inner_steps"), "wan_replica_bytes": s.get("wan_replica_bytes"),
         "time_to_ddp_loss_seconds": time_to_loss(s["val_curve"], ddp_loss * (1 + LOSS_TOLERANCE) if ddp_loss else None),
     }
 
@@ -222,12 +237,12 @@ def write_markdown(report: dict[str, Any], out_dir: Path) -> Path:
         f"{o['micro_batches']} micro-batches"
         + (f", each site's GPUs declaring {memory(o['gpu_memory_gb'])}" if o.get("gpu_memory_gb") else "")
         + f"; {report['machine']['cpus']} CPUs, {report['machine']['when']}.", "",
-        "| strategy | wall s | final val loss | WAN MB | activations MB | gradients MB | eval MB | bubble | ideal | time to ddp loss (+1 %) s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| strategy | wall s | final val loss | WAN MB | activations MB | gradients MB | eval MB | replicas MB | bubble | ideal | time to ddp loss (+1 %) s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         if not r.get("feasible", True):
-            lines.append(f"| {r['strategy']} | not run: {r['reason']} |" + " – |" * 8)
+            lines.append(f"| {r['strategy']} | not run: {r['reason']} |" + " – |" * 9)
             continue
         bubble = "–" if r["bubble_fraction"] is None else f"{r['bubble_fraction']:.3f}"
         ideal = "–" if r["bubble_ideal"] is None else f"{r['bubble_ideal']:.3f}"
@@ -235,7 +250,7 @@ def write_markdown(report: dict[str, Any], out_dir: Path) -> Path:
         lines.append(
             f"| {r['strategy']} | {r['wall_seconds']:.1f} | {r['final_val_loss']:.4f} | {r['wan_bytes'] / 1e6:.2f} | "
             f"{r['wan_activation_bytes'] / 1e6:.2f} | {r['wan_gradient_bytes'] / 1e6:.2f} | {r['wan_eval_bytes'] / 1e6:.2f} | "
-            f"{bubble} | {ideal} | {'–' if ttl is None else f'{ttl:.1f}'} |")
+            f"{(r.get('wan_replica_bytes') or 0) / 1e6:.2f} | {bubble} | {ideal} | {'–' if ttl is None else f'{ttl:.1f}'} |")
     lines += ["", "| pipeline run | WAN ÷ ddp (target ≤ 0.10) | loss vs ddp | reaches ddp's loss sooner | bubble bound | bubble |",
               "|---|---:|---:|---|---:|---|"]
     for label, t in report["targets"].items():

@@ -196,3 +196,23 @@ def test_the_benchmark_checks_the_issues_targets_against_ddp(tmp_path: Path) -> 
     md = write_markdown(report, tmp_path).read_text()
     assert "| pipeline | 0.090 (met) | +0.50 % | met | 0.300 | met |" in md
     assert "| pipeline+int8 | 0.200 (not met) |" in md
+
+
+def test_the_benchmark_runs_replicas_of_the_pipeline_beside_one_pipeline(tmp_path: Path) -> None:
+    """`cpn bench pipeline --sites 4 --strategies pipeline,pipeline*2`: 4 stages, and 2 replicas of 2."""
+    from cpn.runtime.bench_pipeline import PipelineBenchOptions, run_benchmark, train_config
+
+    with pytest.raises(ValueError, match="3 replicas do not divide the 4 sites"):
+        PipelineBenchOptions(sites=4, strategies=["pipeline*3"])
+    with pytest.raises(ValueError, match="pipeline\\*D"):
+        PipelineBenchOptions(sites=4, strategies=["ddp*2"])
+    opts = PipelineBenchOptions(sites=4, model="tiny", tokens=12_288, seq_len=64, global_batch=1024, micro_batches=2,
+                                strategies=["pipeline", "pipeline*2+int8"])
+    assert train_config("pipeline*2+int8", opts).strategy.stages == 2
+    assert train_config("pipeline", opts).strategy.stages is None
+    one, two = run_benchmark(opts, tmp_path)["results"]
+    assert (len(one["stages"]), one["replicas"], one["wan_replica_bytes"]) == (4, 1, 0), one
+    assert (len(two["stages"]), two["replicas"]) == (2, 2) and two["wan_replica_bytes"] > 0, two
+    assert two["final_val_loss"] < two["initial_val_loss"], two
+    md = (tmp_path / "pipeline.md").read_text()
+    assert "| pipeline*2+int8 |" in md and "replicas MB" in md
