@@ -196,12 +196,17 @@ def resolve(cfg: TrainConfig, topology: Topology, wan_mbps: float | None = None)
     return cfg.model_copy(update={"strategy": strategy})
 
 
-def explain(cfg: TrainConfig) -> str:
-    """One line: what the resolved strategy does."""
+def explain(cfg: TrainConfig, topology: Topology | None = None) -> str:
+    """One line: what the resolved strategy does (with the topology: a pipeline's stages and replicas)."""
     s = cfg.strategy
     words = [s.name]
     if s.name in ("diloco", "local_sgd", "gossip", "ssp"):
         words.append(f"H={s.inner_steps}")
+    if s.name == "pipeline" and topology is not None:
+        stages = s.stages or topology.num_sites
+        replicas = topology.num_sites // stages
+        words.append(f"{stages} stages" + ("" if replicas == 1 else f" x {replicas} replicas averaged " + (
+            "every step (gradients)" if s.inner_steps == 1 else f"every {s.inner_steps} steps")))
     if s.name == "diloco":
         words.append(f"outer lr {s.outer_lr:g}" + (f" Nesterov {s.outer_momentum:g}" if s.nesterov else
                                                      f" momentum {s.outer_momentum:g}"))

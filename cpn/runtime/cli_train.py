@@ -138,9 +138,9 @@ def train_cmd(ctx: click.Context, sites: int, workers_per_site: int, wan_mbps: f
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
-        click.echo(json.dumps({**{k: v for k, v in summary.items() if k != "val_curve"}, "resolved": explain(cfg)}, indent=2))
+        click.echo(json.dumps({**{k: v for k, v in summary.items() if k != "val_curve"}, "resolved": explain(cfg, topology)}, indent=2))
     else:
-        click.echo(f"{explain(cfg)}: {summary['tokens']} tokens in {summary['wall_seconds']:.1f}s, "
+        click.echo(f"{explain(cfg, topology)}: {summary['tokens']} tokens in {summary['wall_seconds']:.1f}s, "
                    f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}, "
                    f"WAN {summary['wan_bytes'] / 1e6:.1f} MB, compute utilisation {summary['compute_utilization']:.2f}")
 

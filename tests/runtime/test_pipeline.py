@@ -216,3 +216,16 @@ def test_the_benchmark_runs_replicas_of_the_pipeline_beside_one_pipeline(tmp_pat
     assert two["final_val_loss"] < two["initial_val_loss"], two
     md = (tmp_path / "pipeline.md").read_text()
     assert "| pipeline*2+int8 |" in md and "replicas MB" in md
+
+
+def test_auto_picks_how_often_replicas_average_and_says_so() -> None:
+    from cpn.runtime.autotune import explain, resolve
+
+    four = Topology.uniform(4, 1)
+    replicas = resolve(pipe(steps=60, stages=2), four)
+    assert replicas.strategy.inner_steps > 1  # averaged as local SGD, not every step
+    assert explain(replicas, four) == f"pipeline, 2 stages x 2 replicas averaged every {replicas.strategy.inner_steps} steps"
+    assert resolve(pipe(steps=60), four).strategy.inner_steps == 1  # one pipeline: nothing to average
+    assert explain(resolve(pipe(steps=60), four), four) == "pipeline, 4 stages"
+    exact = resolve(pipe(steps=60, stages=2, inner_steps=1), four)
+    assert explain(exact, four) == "pipeline, 2 stages x 2 replicas averaged every step (gradients)"
