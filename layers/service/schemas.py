@@ -121,16 +121,9 @@ class ParallelismSpec(CamelModel):
     pipeline_stages: int | None = Field(default=None, ge=2, le=64, description=(
         "Cut the model into exactly this many pipeline stages, one per site (strategy pipeline)"))
     data_replicas: int = Field(default=1, ge=1, le=64, description=(
-        "Replicas of the whole pipeline; the planner places one (1) for now"))
-
-    @field_validator("data_replicas")
-    @classmethod
-    def _one_replica(cls, v: int) -> int:
-        if v > 1:
-            raise ValueError(f"{v} replicas of the pipeline: the planner places one pipeline per job for now "
-                             "(the runtime's replicas run through `cpn train --strategy pipeline --stages P` on a "
-                             "multiple of P sites); set dataReplicas to 1")
-        return v
+        "Replicas of the whole pipeline, each on its own sites (dataReplicas x stages sites), each training "
+        "1/dataReplicas of every step's sequences; a stage's replicas average every innerSteps steps "
+        "(strategy pipeline or auto, CPN's built-in models)"))
 
 
 class CodeSpec(CamelModel):
@@ -204,7 +197,8 @@ class TrainingJobSpec(CamelModel):
     @model_validator(mode="before")
     @classmethod
     def _stages(cls, data: Any) -> Any:
-        """pipelineStages cuts the model: only with strategy pipeline (or auto, which it then means)."""
+        """pipelineStages cuts the model and dataReplicas copies the cut pipeline: only with strategy pipeline
+        (or auto, which they then mean), and dataReplicas only on CPN's built-in models."""
         if not isinstance(data, dict) or not isinstance(data.get("parallelism"), dict):
             return data
         stages, strategy = data["parallelism"].get("pipelineStages"), data.get("strategy", "auto")
@@ -212,6 +206,16 @@ class TrainingJobSpec(CamelModel):
             raise _error_at(("parallelism", "pipelineStages"), "stages_strategy", data, (
                 f"{stages} pipeline stages with strategy {strategy!r}: stages are for the pipeline strategy; "
                 "set strategy to pipeline (or auto), or drop pipelineStages"))
+        replicas = data["parallelism"].get("dataReplicas")
+        if isinstance(replicas, int) and replicas > 1 and strategy not in ("auto", "pipeline"):
+            raise _error_at(("parallelism", "dataReplicas"), "replicas_strategy", data, (
+                f"{replicas} replicas of a pipeline with strategy {strategy!r}: dataReplicas copies the pipeline "
+                "strategy's stages; set strategy to pipeline (or auto), or drop dataReplicas (a data-parallel "
+                "strategy already uses every GPU as a replica)"))
+        if isinstance(replicas, int) and replicas > 1 and data.get("code") is not None:
+            raise _error_at(("parallelism", "dataReplicas"), "replicas_code", data, (
+                f"{replicas} replicas of a pipeline with spec.code: the pipeline cuts CPN's built-in models only; "
+                "drop dataReplicas (your code runs data parallel on every GPU)"))
         return data
 
     @model_validator(mode="before")

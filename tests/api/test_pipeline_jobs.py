@@ -1,16 +1,19 @@
 """A model too big for any one GPU, through the API (issue 14): quotes with a staged placement
 (`placement[].stage`, strategy pipeline), accepted, and the attempt's topology in stage order;
-`spec.parallelism` forces the stage count, and dataReplicas > 1 is refused naming its field."""
+`spec.parallelism` forces the stage count; dataReplicas D > 1 is quoted as D disjoint chains of sites
+(lines with `stage` and `replica`, the attempt's sites replica-major and `strategy.stages` P), and a D
+the sites cannot hold is refused naming its field."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import select
 
 from layers.orchestration.lifecycle.plan import attempt_plan
 from layers.orchestration.planning import perf
 from layers.orchestration.planning.types import JobRequirements, ModelShape
 from layers.resource.capacity import LinkView
-from layers.service.models import JobRow
+from layers.service.models import JobRow, QuoteRow
 from layers.service.schemas import MODEL_PRESETS, TrainingJobSpec
 from tests.api.test_jobs import quotes, submit
 from tests.api.test_resource import cluster, link, site
@@ -26,20 +29,23 @@ def _tiny() -> JobRequirements:
                            tokens=60_000, global_batch_tokens=768)
 
 
-def small_world(memory_gb: float = SMALL_GB) -> list[dict]:
+def small_world(memory_gb: float = SMALL_GB, sites: tuple[str, ...] = SITES) -> list[dict]:
     items: list[dict] = []
-    for name in SITES:
+    for name in sites:
         c = cluster(f"{name}-small", name, gpus_per_node=1, nodes=1, price="0.50")
         c["spec"]["nodePools"][0]["gpu"] = {"model": "RTX4090", "memoryGB": memory_gb, "tflops": 165}
         items += [site(name), c]
+    if sites != SITES:  # every pair linked
+        return items + [link(f"{a}-{b}", a, b, 10) for i, a in enumerate(sites) for b in sites[i + 1:]]
     return items + [link("fra-ams", "fra-1", "ams-1", 10), link("ams-waw", "ams-1", "waw-1", 10),
                     link("fra-waw", "fra-1", "waw-1", 1)]
 
 
-async def _register(api, memory_gb: float = SMALL_GB) -> None:  # type: ignore[no-untyped-def]
-    resp = await api.client.post("/api/v1/apply", json={"items": small_world(memory_gb)}, headers=api.auth("prov-a"))
+async def _register(api, memory_gb: float = SMALL_GB, sites: tuple[str, ...] = SITES) -> None:  # type: ignore[no-untyped-def]
+    resp = await api.client.post("/api/v1/apply", json={"items": small_world(memory_gb, sites)},
+                                 headers=api.auth("prov-a"))
     assert resp.status == 200, await resp.text()
-    for name in SITES:
+    for name in sites:
         resp = await api.client.post(f"/api/v1/clusters/{name}-small/heartbeat", headers=api.auth("prov-a"),
                                      json={"allocatableGpus": 1, "conditions": [{"type": "Ready", "status": "True"}]})
         assert resp.status == 200
@@ -96,16 +102,19 @@ async def test_the_same_model_on_gpus_that_hold_it_stays_data_parallel(api) -> N
                for q in await quotes(api, "whole"))
 
 
-async def test_parallelism_forces_the_stage_count_and_refuses_replicas(api) -> None:  # type: ignore[no-untyped-def]
+async def test_parallelism_forces_the_stage_count_and_refuses_replicas_the_sites_cannot_hold(api) -> None:  # type: ignore[no-untyped-def]
     await _register(api, memory_gb=24)
     resp = await submit(api, _job("three", parallelism={"pipelineStages": 3}))
     assert resp.status == 201, await resp.text()
     for q in await quotes(api, "three"):
         assert q["strategy"] == "pipeline" and sorted(p["stage"] for p in q["placement"]) == [0, 1, 2], q
-    resp = await submit(api, _job("replicas", parallelism={"dataReplicas": 2}))
+    resp = await submit(api, _job("replicas", parallelism={"dataReplicas": 2}))  # 2 x 2 stages: 4 sites, 3 here
     error = (await resp.json())["error"]
     assert resp.status == 422 and error["field"] == "spec.parallelism.dataReplicas", error
-    assert "one pipeline per job" in error["message"], error
+    assert "need 4 sites" in error["message"], error
+    resp = await submit(api, _job("ddp-replicas", strategy="ddp", parallelism={"dataReplicas": 2}))
+    error = (await resp.json())["error"]
+    assert resp.status == 422 and error["field"] == "spec.parallelism.dataReplicas", error
     resp = await submit(api, _job("ddp-stages", strategy="ddp", parallelism={"pipelineStages": 2}))
     error = (await resp.json())["error"]
     assert resp.status == 422 and error["field"] == "spec.parallelism.pipelineStages", error
@@ -121,3 +130,89 @@ async def test_no_stage_fits_names_the_figures(api) -> None:  # type: ignore[no-
     error = (await resp.json())["error"]
     assert resp.status == 422 and error["field"] == "spec.model", error
     assert "pipeline stages" in error["message"] and "largest stage still needs" in error["message"], error
+
+
+FOUR_SITES = ("fra-1", "ams-1", "waw-1", "par-1")
+
+
+async def test_two_replicas_are_quoted_on_disjoint_sites_and_planned_replica_major(api, db) -> None:  # type: ignore[no-untyped-def]
+    await _register(api, memory_gb=24, sites=FOUR_SITES)  # GPUs that hold it whole: dataReplicas asks for the pipeline
+    resp = await submit(api, _job("twice", parallelism={"dataReplicas": 2}))
+    assert resp.status == 201, await resp.text()
+    items = await quotes(api, "twice")
+    assert {q["label"] for q in items} == {"cheapest", "fastest", "balanced"}
+    for q in items:
+        assert q["strategy"] == "pipeline", q
+        slots = sorted((p["replica"], p["stage"]) for p in q["placement"])
+        assert slots == [(0, 0), (0, 1), (1, 0), (1, 1)], q["placement"]
+        assert len({p["site"] for p in q["placement"]}) == 4, q["placement"]  # disjoint chains
+        order = sorted(q["placement"], key=lambda p: (p["replica"], p["stage"]))
+        assert q["ring"] == [p["site"] for p in order], q
+    async with db.session() as s:  # the stored prediction: the stages' averaging, inside the step and the WAN bytes
+        stored = (await s.execute(select(QuoteRow).join(JobRow, JobRow.id == QuoteRow.job_id)
+                                  .where(JobRow.name == "alice/twice"))).scalars().all()
+    assert len(stored) == 3
+    for row in stored:
+        pred = row.prediction
+        assert pred["replicaInnerSteps"] >= 1 and 0 < pred["replicaWanBytes"] < pred["wanBytes"], pred
+        assert 0 < pred["replicaSecondsPerStep"] < pred["stepSeconds"], pred
+    resp = await submit(api, _job("thrice", parallelism={"dataReplicas": 2, "pipelineStages": 3}))  # 6 sites
+    error = (await resp.json())["error"]
+    assert resp.status == 422 and error["field"] == "spec.parallelism.dataReplicas", error
+    assert "need 6 sites" in error["message"], error
+    resp = await api.client.post("/api/v1/jobs/twice/accept", json={"quote": "balanced"}, headers=api.auth("alice"))
+    assert resp.status == 200, await resp.text()
+    async with db.session() as s:
+        job = (await s.execute(select(JobRow).where(JobRow.name == "alice/twice"))).scalar_one()
+        status, spec = dict(job.status), TrainingJobSpec.model_validate(job.spec)
+    assert sorted((p["replica"], p["stage"]) for p in status["placement"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    links = [LinkView(name=f"{a}-{b}", a=a, b=b, bandwidth_gbps=10, rtt_ms=20, price_per_gb="0.02", owner_id="")
+             for i, a in enumerate(FOUR_SITES) for b in FOUR_SITES[i + 1:]]
+    topo, train = attempt_plan(spec, "pipeline", list(reversed(status["placement"])), ["zzz"], links)
+    order = sorted(status["placement"], key=lambda p: (p["replica"], p["stage"]))
+    assert [x["name"] for x in topo["sites"]] == [p["site"] for p in order]
+    assert train["strategy"]["name"] == "pipeline" and train["strategy"]["stages"] == 2
+
+
+def test_the_attempt_runs_p_stages_on_sites_in_replica_major_order() -> None:
+    spec = TrainingJobSpec.model_validate(_job("x", strategy="pipeline",
+                                               parallelism={"dataReplicas": 2, "pipelineStages": 2})["spec"])
+    lines = [{"cluster": f"{site}-small", "site": site, "gpus": 1, "gpuModel": "RTX4090", "region": "eu",
+              "stage": stage, "replica": replica}
+             for site, replica, stage in (("par-1", 1, 1), ("fra-1", 0, 1), ("waw-1", 1, 0), ("ams-1", 0, 0))]
+    links = [LinkView(name=f"{a}-{b}", a=a, b=b, bandwidth_gbps=10, rtt_ms=20, price_per_gb="0.02", owner_id="")
+             for i, a in enumerate(FOUR_SITES) for b in FOUR_SITES[i + 1:]]
+    topo, train = attempt_plan(spec, "pipeline", lines, ["fra-1", "ams-1", "waw-1", "par-1"], links)
+    assert [x["name"] for x in topo["sites"]] == ["ams-1", "fra-1", "waw-1", "par-1"]  # site d·P + s: (d, s)
+    assert train["strategy"]["stages"] == 2  # P, not the 4 sites: the runtime runs 4 / 2 replicas
+    one = [dict(p, replica=None) for p in lines if p["replica"] == 0]
+    _, single = attempt_plan(spec, "pipeline", one, ["fra-1", "ams-1"], links)
+    assert single["strategy"]["stages"] == 2
+
+
+async def test_a_lost_site_re_places_all_replicas_or_fails_naming_why(api, db) -> None:  # type: ignore[no-untyped-def]
+    from datetime import timedelta
+
+    from cpn.core.errors import Infeasible
+    from layers.orchestration.lifecycle.replan import replace_placement, replicas_of, stages_of
+
+    five = (*FOUR_SITES, "vie-1")
+    await _register(api, memory_gb=24, sites=five)
+    assert (await submit(api, _job("kept", parallelism={"dataReplicas": 2}))).status == 201
+    resp = await api.client.post("/api/v1/jobs/kept/accept", json={"quote": "balanced"}, headers=api.auth("alice"))
+    assert resp.status == 200, await resp.text()
+    limits = {"heartbeat_timeout": timedelta(seconds=60), "lease_ttl": timedelta(hours=1)}
+    async with db.session() as s:
+        row = (await s.execute(select(JobRow).where(JobRow.name == "alice/kept"))).scalar_one()
+        first = row.status["placement"]
+        assert (stages_of(first), replicas_of(first)) == (2, 2)
+        lost = next(p["site"] for p in first if (p["replica"], p["stage"]) == (1, 1))
+        placed = await replace_placement(s, row, {lost}, **limits)
+        assert sorted((p["replica"], p["stage"]) for p in placed) == [(0, 0), (0, 1), (1, 0), (1, 1)], placed
+        assert lost not in {p["site"] for p in placed} and len({p["site"] for p in placed}) == 4, placed
+        gone = {lost, first[0]["site"]}
+        with pytest.raises(Infeasible) as err:  # 3 sites left for 2 x 2 stages
+            await replace_placement(s, row, gone, **limits)
+    assert err.value.field is None, err.value  # the lost sites' fault, no field of the spec's
+    assert "holds 2 pipeline stages of each of 2 replicas" in err.value.message, err.value.message
+    assert "4 sites), and only 3 live site(s) remain" in err.value.message, err.value.message

@@ -20,13 +20,17 @@ from layers.service.schemas import TrainingJobSpec, deadline_seconds, strategy_k
 
 
 def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequirements:
+    """The planner's view of `spec`. dataReplicas > 1 asks for replicas of a pipeline, so with strategy
+    auto it means the pipeline (as pipelineStages does, placement.pipeline_mode)."""
     shape = spec.model.shape()  # type: ignore[union-attr]
     deadline = deadline_seconds(spec.deadline, now or datetime.now(UTC)) if spec.deadline else None
+    replicas = spec.parallelism.data_replicas if spec.parallelism else 1
+    strategy = "pipeline" if replicas > 1 and spec.strategy == "auto" else spec.strategy
     return JobRequirements(
         model=ModelShape(parameters=shape["parameters"], layers=shape["layers"], hidden=shape["hidden"],
                          seq_len=shape["seqLen"], flops_per_unit=shape.get("flopsPerUnit"),
                          bytes_per_unit=shape.get("bytesPerUnit")),
-        tokens=spec.tokens, global_batch_tokens=spec.global_batch_tokens, strategy=spec.strategy,
+        tokens=spec.tokens, global_batch_tokens=spec.global_batch_tokens, strategy=strategy,
         compression=None if spec.compression in (None, "none") else spec.compression, staleness=spec.staleness,
         **_ps(spec), gpus_max=spec.gpus.max,
         **{k: v for k, v in (("inner_steps", spec.inner_steps), ("overlap", spec.overlap)) if v is not None},
@@ -37,7 +41,7 @@ def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequi
         budget=Decimal(spec.budget) if spec.budget is not None else None, currency=spec.currency,
         workload=workload_of(spec.code.digest if spec.code is not None else None),
         stages=spec.parallelism.pipeline_stages if spec.parallelism else None,
-        data_replicas=spec.parallelism.data_replicas if spec.parallelism else 1)
+        data_replicas=replicas)
 
 
 def _ps(spec: TrainingJobSpec) -> dict[str, int]:
@@ -93,7 +97,11 @@ def planner_inputs_of(found: OfferSet, currency: str) -> tuple[tuple[ClusterOffe
 
 
 def prediction_dict(pred: Any) -> dict[str, Any]:
-    return {"steps": pred.steps, "computeSecondsPerStep": pred.compute_seconds_per_step,
+    """The quote's prediction; replicas of a pipeline add their averaging (already in the step and in
+    wanBytes): its seconds per step, its WAN bytes over the run and its period H in steps."""
+    replicas = {"replicaSecondsPerStep": pred.replica_seconds_per_step, "replicaWanBytes": pred.replica_wan_bytes,
+                "replicaInnerSteps": pred.replica_inner_steps} if getattr(pred, "replica_inner_steps", 0) else {}
+    return {**replicas, "steps": pred.steps, "computeSecondsPerStep": pred.compute_seconds_per_step,
             "commSecondsPerStep": pred.comm_seconds_per_step, "stepSeconds": pred.step_seconds,
             "totalSeconds": pred.total_seconds, "wanBytes": pred.wan_bytes, "intraBytes": pred.intra_bytes,
             "gpuSecondsByCluster": pred.gpu_seconds_by_cluster, "stepFactor": pred.step_factor,

@@ -215,7 +215,8 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
                                     link_owners)
         lines += pricing.data_transfer_lines(_transfers(plan), sellers)
         placement_lines = [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
-                            "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage})}
+                            "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage}),
+                            **({} if a.replica is None else {"replica": a.replica})}
                            for a in plan.assignments]
         reason, train = _unrunnable(spec, plan.strategy, placement_lines, plan.ring, links)
         if reason is not None:  # never offer what the workers would refuse

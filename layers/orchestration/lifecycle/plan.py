@@ -24,7 +24,8 @@ CODE_UNIT = 8  # spec.code jobs: the global batch is whole multiples of this man
 def topology_for(placement: list[dict[str, Any]], ring: list[str], links: list[LinkView]) -> dict[str, Any]:
     """Placement lines carry their site's region (placements written before they did: none, so the
     job's sites are each a region of their own and hierarchical runs its two-level all-reduce). A
-    pipeline's lines name their stage: its sites go in stage order, so site index s runs stage s."""
+    pipeline's lines name their stage, and with D > 1 replicas their replica: its sites go replica-major,
+    stage-minor, so site index d·P + s runs stage s of replica d (the runtime's order)."""
     ranks: dict[str, int] = {}
     regions: dict[str, str] = {}
     for p in placement:
@@ -32,9 +33,9 @@ def topology_for(placement: list[dict[str, Any]], ring: list[str], links: list[L
         if p.get("region"):
             regions[p["site"]] = p["region"]
     order = [s for s in ring if s in ranks] + [s for s in ranks if s not in ring]
-    stage = {p["site"]: int(p["stage"]) for p in placement if p.get("stage") is not None}
+    stage = {p["site"]: (int(p.get("replica") or 0), int(p["stage"])) for p in placement if p.get("stage") is not None}
     if stage:
-        order.sort(key=lambda s: stage.get(s, len(order)))
+        order.sort(key=lambda s: stage.get(s, (len(order), len(order))))
     return derive(order, ranks, links, regions=regions).model_dump(mode="json")
 
 
@@ -54,7 +55,7 @@ def rank_offsets(topology: dict[str, Any], placement: list[dict[str, Any]]) -> d
 
 
 def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str | None,
-                 sites: int = 1) -> dict[str, Any]:
+                 sites: int = 1, stages: int | None = None) -> dict[str, Any]:
     """The runtime's TrainConfig (as JSON) for this job. The run trains exactly ``spec.tokens``: whole
     global batches, then a last step trimmed to what is left (the runtime does it, see
     ``TrainConfig.step_tokens``), so `Succeeded` means 100 % of what was asked. The global batch is
@@ -65,7 +66,8 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
     the budget, the sites and the link (``cpn.runtime.autotune``), as for ``cpn train``. The
     parameter-server strategies get one server per site (``ps = sites``), the layout the compute
     model prices (``layers.orchestration.planning.perf``), and the spec's backupWorkers and
-    psReplicas (``schemas.strategy_knobs``)."""
+    psReplicas (``schemas.strategy_knobs``). A pipeline runs ``stages`` stages (default: one per site;
+    fewer: sites / stages replicas of it, the runtime's ``strategy.stages``)."""
     preset = spec.model.preset if not isinstance(spec.model, str) else spec.model  # type: ignore[union-attr]
     if spec.code is not None:  # the user's code builds its model; the runtime's config only counts units
         preset, seq_len = "tiny", CODE_UNIT
@@ -85,7 +87,7 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
         "strategy": {"name": strategy, **knobs, "staleness": spec.staleness,
                      **({"ps": min(sites, workers)} if strategy in PS_STRATEGIES else {}),
                      **strategy_knobs(spec, strategy),
-                     **({"stages": sites} if strategy == "pipeline" else {})},
+                     **({"stages": stages or sites} if strategy == "pipeline" else {})},
         "val_every": max(1, steps // 10), "seed": 0,
         # elastic strategies: often (a lost site rejoins from the latest); diloco rounds up to outer steps
         "checkpoint_every": (knobs["inner_steps"] or max(1, steps // 20)) if strategy in ELASTIC else max(1, steps // 5),
@@ -106,7 +108,8 @@ def attempt_plan(spec: TrainingJobSpec, strategy: str, placement: list[dict[str,
 
     topo = topology_for(placement, ring, links)
     workers = sum(site["ranks"] for site in topo["sites"])
-    train = train_config(spec, strategy, workers, resume, sites=len(topo["sites"]))
+    stages = len({int(p["stage"]) for p in placement if p.get("stage") is not None}) or None
+    train = train_config(spec, strategy, workers, resume, sites=len(topo["sites"]), stages=stages)
     config = TrainConfig.model_validate(train)
     config.sequences_per_worker(workers)
     preflight(config, Topology.model_validate(topo))

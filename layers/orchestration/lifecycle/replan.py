@@ -2,7 +2,9 @@
 checkpoint on a new placement drawn from live capacity, never on the failed sites. A pipeline is
 re-placed as a pipeline of as many stages as before: its checkpoint holds one file per stage, each
 the state of that stage's cut (``cpn.runtime.strategies.pipeline``), so stage s resumes from
-``site{s}.pt`` on whichever site now runs it, and a different cut could not load them."""
+``site{s}.pt`` on whichever site now runs it, and a different cut could not load them. Replicas of a
+pipeline (D > 1, ``spec.parallelism.dataReplicas``) are re-placed whole, D × P again (site d·P + s,
+replica-major as before, resumes ``site{d·P+s}.pt``), or the job fails naming why."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
         req = dataclasses.replace(req, strategy=job.status["strategy"])
     req = dataclasses.replace(req, exclude_sites=frozenset(req.exclude_sites | failed_sites),
                               data=await job_data.need_of_job(s, job),  # residency holds on the new sites too
-                              stages=stages_of(job.status["placement"]) or req.stages)
+                              stages=stages_of(job.status["placement"]) or req.stages,
+                              data_replicas=replicas_of(job.status["placement"]) or req.data_replicas)
     await leases.release(s, job.name, "re-placing after a site failure")
     await s.flush()
     pool_offers, links, _ = await capacity.snapshot(s, heartbeat_timeout)
@@ -52,7 +55,8 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
         raise errors.Infeasible(f"no placement without {sorted(failed_sites)}: {exc.message}") from exc
     region_of = {o.name: o.region for o in offers}
     return [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
-             "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage})}
+             "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage}),
+             **({} if a.replica is None else {"replica": a.replica})}
             for a in plan.assignments]
 
 
@@ -62,6 +66,12 @@ def stages_of(placement_lines: list[dict]) -> int | None:
     return len(stages) or None
 
 
+def replicas_of(placement_lines: list[dict]) -> int | None:
+    """How many replicas of a pipeline a placement runs (None: one, or not a pipeline)."""
+    replicas = {int(p["replica"]) for p in placement_lines if p.get("replica") is not None}
+    return len(replicas) or None
+
+
 def _infeasible(req: JobRequirements, exc: errors.Infeasible, failed: set[str], live: set[str]) -> errors.Infeasible:
     """The planner's reason after the failure; for a pipeline left with fewer sites than the stages its
     checkpoint holds, that (the lost sites' fault, no field of the spec's)."""
@@ -69,11 +79,12 @@ def _infeasible(req: JobRequirements, exc: errors.Infeasible, failed: set[str], 
     if req.stages is None or req.strategy != "pipeline":
         return errors.Infeasible(head + exc.message, field=exc.field)
     left = sorted(live - req.exclude_sites)
-    if len(left) >= req.stages:
-        return errors.Infeasible(f"{head}its checkpoint holds {req.stages} pipeline stages: {exc.message}",
-                                 field=exc.field)
-    return errors.Infeasible(f"{head}its checkpoint holds {req.stages} pipeline stages, each to resume on a site of "
-                             f"its own (one stage per site), and only {len(left)} live site(s) remain "
+    d = max(1, req.data_replicas)
+    held = f"{req.stages} pipeline stages" + (f" of each of {d} replicas" if d > 1 else "")
+    if len(left) >= req.stages * d:
+        return errors.Infeasible(f"{head}its checkpoint holds {held}: {exc.message}", field=exc.field)
+    return errors.Infeasible(f"{head}its checkpoint holds {held}, each to resume on a site of its own (one stage "
+                             f"per site{f', {req.stages * d} sites' if d > 1 else ''}), and only {len(left)} live site(s) remain "
                              f"({', '.join(left) or 'none'})")
 
 

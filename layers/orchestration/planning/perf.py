@@ -58,6 +58,8 @@ Pipeline (``predict_pipeline``): the model cut into P stages, one per site (the 
 activation transfer) + the tied token table's exchange between the first and last stage + the
 slowest stage's intra-site all-reduce; ``stage_memory_gb`` is what one GPU of a stage must hold.
 ``comm_seconds_per_step`` is then the step less the slowest stage's compute (bubble included).
+D replicas of the pipeline (``Assignment.replica``): each prices that step on T/D tokens, the slowest
+bounds the step, plus each stage's ring all-reduce of its fp32 parameters over its D sites every H steps.
 
 Knobs the job's spec leaves unset (H, compression, overlap: ``req.autotuned``) are priced as the
 runtime will run them: :func:`autotuned` asks :func:`cpn.runtime.autotune.choose` for this placement.
@@ -111,7 +113,7 @@ __all__ = [
     "profile_factor", "budget_steps", "host_stretch",
     "Levels", "levels_of", "multilevel_comm", "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param",
     "wire_ratio", "worker_memory_gb", "micro_batches", "predict_pipeline", "stage_cuts", "stage_memory_gb",
-    "barrier_step",
+    "barrier_step", "replica_inner_steps",
 ]
 
 # Launching → Running before any lesson: a Kubernetes pod is scheduled, pulls its image and meets
@@ -572,7 +574,8 @@ def stage_memory_gb(req: JobRequirements, stages: int, stage: int, micro: int,
 
 def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers: Mapping[str, ClusterOffer],
                      links: list[WanLink]) -> Prediction:
-    """Time, WAN bytes and cost of a pipeline: assignment ``stage`` s at one site each, W GPUs per stage.
+    """Time, WAN bytes and cost of a pipeline: assignment ``stage`` s at one site each, W GPUs per stage;
+    with ``replica`` set, D copies of it on disjoint sites (the runtime's replicas, ``data_replicas``).
 
     Per step (T tokens, M micro-batches, P stages): stage s computes c_s = FLOPs · (its share of the
     parameters) / its site's throughput; a cut carries T · hidden · 4 B of activations forward and as
@@ -581,10 +584,92 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
     (M + P − 1) slots of the slowest of them, so a step takes (M + P − 1)/M · max(max c_s, max ℓ)
     (bubble (P − 1)/(M + P − 1)), then the first and last stage exchange the tied token table's
     gradient (vocab · hidden · 4 B each way) and every stage all-reduces its gradients inside its
-    site. Stage 0 also sends the targets to the last stage (1 B per token)."""
-    used = sorted((a for a in assignments if a.gpus > 0), key=lambda a: (a.stage is None, a.stage or 0))
+    site. Stage 0 also sends the targets to the last stage (1 B per token).
+
+    D > 1 replicas: each runs that step on T/D tokens (its compute, activations and targets scale by
+    1/D, the tied table does not; M from its D·W shares of the sequences) and the slowest replica
+    bounds the step; then, every H steps (:func:`replica_inner_steps`), each stage's D copies average
+    its parameters (fp32, 4 B each): a ring all-reduce over the D same-stage sites in replica order,
+    2(D−1)/D · K_s bytes from each site to the next, timed at the slowest link of that ring (plus its
+    2(D−1) RTT/2); the slowest stage's all-reduce, over H, is added to every step."""
+    used = sorted((a for a in assignments if a.gpus > 0), key=lambda a: (a.replica or 0, a.stage is None, a.stage or 0))
     if not used or any(a.stage is None for a in used):
         raise ValueError("a pipeline placement names the stage of every assignment")
+    replicas = sorted({a.replica or 0 for a in used})
+    if replicas != list(range(len(replicas))):
+        raise ValueError(f"pipeline replicas must be 0..{len(replicas) - 1}, got {replicas}")
+    d = len(replicas)
+    index = link_index(links)
+    parts = [_replica_step(req, [a for a in used if (a.replica or 0) == r], offers, index, d) for r in replicas]
+    stages = parts[0].stages
+    if any(p.stages != stages for p in parts):
+        raise ValueError(f"every replica of the pipeline runs {stages} stages, got {[p.stages for p in parts]}")
+    per_step: dict[Key, float] = {}
+    for part in parts:
+        for hop, b in part.per_step.items():
+            per_step[hop] = per_step.get(hop, 0.0) + b
+    cuts = stage_cuts(req, stages)
+    steps = budget_steps(req)
+    h = replica_inner_steps(req, d * stages, sum(a.gpus for a in used), steps) if d > 1 else 0
+    average_s, average_bytes = 0.0, 0.0
+    for s in range(stages if d > 1 else 0):
+        ring = [part.order[s] for part in parts]
+        size = cuts[s][0] * REPLICA_VALUE_BYTES
+        ring_hops = [(ring[i], ring[(i + 1) % d]) for i in range(d)]
+        for hop in ring_hops:
+            if hop not in index:
+                raise ValueError(f"no link between sites {hop[0]} and {hop[1]} (replicas of stage {s} average it)")
+            per_step[hop] = per_step.get(hop, 0.0) + 2 * (d - 1) / d * size / h
+            average_bytes += 2 * (d - 1) / d * size / h
+        gbps = min(index[hop].bandwidth_gbps for hop in ring_hops)
+        alpha = max(index[hop].rtt_ms for hop in ring_hops) / 2e3
+        average_s = max(average_s, float(ring_allreduce_seconds(size, d, gbps, alpha)) / h)
+    slowest = max(p.slowest for p in parts)
+    factor, startup = _learned(req, "pipeline", used, dict(offers))
+    step = (max(p.step for p in parts) + average_s) * factor
+    total = steps * step + startup
+    egress, gpu_seconds, cost = _bill(used, offers, index, per_step, steps, total)
+    micro = max(p.micro for p in parts)
+    return Prediction(
+        strategy="pipeline", steps=steps, compute_seconds_per_step=slowest * factor,
+        comm_seconds_per_step=step - slowest * factor, step_seconds=step, total_seconds=total,
+        wan_bytes=sum(egress.values()), intra_bytes=sum(p.intra_bytes for p in parts) * steps,
+        gpu_seconds_by_cluster=gpu_seconds, egress_bytes_by_link=egress, est_cost=cost, step_factor=factor,
+        startup_seconds=startup, bubble_fraction=(stages - 1) / (micro + stages - 1),
+        replica_seconds_per_step=average_s * factor, replica_wan_bytes=average_bytes * steps, replica_inner_steps=h,
+    )
+
+
+# the replicas' averaging sends fp32 parameters (or, with H = 1, fp32 gradients): no codec
+REPLICA_VALUE_BYTES = 4
+
+
+def replica_inner_steps(req: JobRequirements, sites: int, world: int, steps: int) -> int:
+    """H, the steps between two averagings of the pipeline's replicas: the spec's inner_steps (at most
+    the run's steps, as the attempt's TrainConfig caps it), or unset the runtime's own rule for
+    replicas (:func:`cpn.runtime.autotune.resolve`: local SGD's H with an uncompressed exchange over
+    all ``sites`` = D·P sites; one source)."""
+    if "inner_steps" not in req.autotuned:
+        return max(1, min(req.inner_steps, steps))
+    from cpn.runtime.autotune import Job, _h
+
+    return _h(Job(parameters=req.model.parameters, sites=sites, world=world, total_steps=max(1, steps)), "none")
+
+
+@dataclass
+class _ReplicaStep:
+    order: list[str]  # the replica's sites, stage by stage
+    stages: int
+    step: float  # seconds per step before the learned factor, without the replicas' averaging
+    slowest: float  # the slowest stage's compute seconds
+    micro: int
+    per_step: dict[Key, float]
+    intra_bytes: float  # per step
+
+
+def _replica_step(req: JobRequirements, used: list[Assignment], offers: Mapping[str, ClusterOffer],
+                  index: Mapping[Key, WanLink], replicas: int) -> _ReplicaStep:
+    """One replica of the pipeline on its 1/``replicas`` of each step's tokens (see predict_pipeline)."""
     site_of: dict[int, str] = {}
     width: dict[int, int] = {}
     tflops: dict[int, float] = {}
@@ -599,14 +684,13 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
     if sorted(site_of) != list(range(stages)):
         raise ValueError(f"pipeline stages must be 0..{stages - 1}, got {sorted(site_of)}")
     order = [site_of[s] for s in range(stages)]
-    index = link_index(links)
     cuts = stage_cuts(req, stages)
     total_params = sum(p for p, _ in cuts)
-    w0 = width[0]
-    micro = micro_batches(req, w0)
-    flops = flops_per_step(req)
+    micro = micro_batches(req, width[0] * replicas)
+    tokens = req.global_batch_tokens / replicas
+    flops = flops_per_step(req) / replicas
     compute = [flops * cuts[s][0] / total_params / (tflops[s] * 1e12) for s in range(stages)]
-    act = req.global_batch_tokens * req.model.hidden * ACTIVATION_VALUE_BYTES * wire_ratio(req.compression)
+    act = tokens * req.model.hidden * ACTIVATION_VALUE_BYTES * wire_ratio(req.compression)
     tied = PIPELINE_VOCAB * req.model.hidden * ACTIVATION_VALUE_BYTES
     per_step: dict[Key, float] = {}
     link_s = []
@@ -622,27 +706,16 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
     if ends not in index:
         raise ValueError(f"no link between sites {ends[0]} and {ends[1]} (first and last stage share the tied "
                          "token table)")
-    per_step[ends] = per_step.get(ends, 0.0) + tied + req.global_batch_tokens
+    per_step[ends] = per_step.get(ends, 0.0) + tied + tokens
     per_step[ends[::-1]] = per_step.get(ends[::-1], 0.0) + tied
-    tied_s = (tied + req.global_batch_tokens) * 8 / (index[ends].bandwidth_gbps * 1e9) + index[ends].rtt_ms / 2e3
+    tied_s = (tied + tokens) * 8 / (index[ends].bandwidth_gbps * 1e9) + index[ends].rtt_ms / 2e3
     intra_gbps = intra_gbps_by_site(used, offers)
     intra = max(float(ring_allreduce_seconds(cuts[s][0] * GRADIENT_BYTES, width[s], intra_gbps[order[s]],
                                              INTRA_ALPHA_SECONDS)) for s in range(stages))
     slowest = max(compute)
     schedule = (micro + stages - 1) / micro * max(slowest, *link_s)
-    steps = budget_steps(req)
-    factor, startup = _learned(req, "pipeline", used, dict(offers))
-    step = (schedule + tied_s + intra) * factor
-    total = steps * step + startup
-    egress, gpu_seconds, cost = _bill(used, offers, index, per_step, steps, total)
     intra_bytes = sum(2 * (width[s] - 1) * cuts[s][0] * GRADIENT_BYTES for s in range(stages))
-    return Prediction(
-        strategy="pipeline", steps=steps, compute_seconds_per_step=slowest * factor,
-        comm_seconds_per_step=step - slowest * factor, step_seconds=step, total_seconds=total,
-        wan_bytes=sum(egress.values()), intra_bytes=intra_bytes * steps, gpu_seconds_by_cluster=gpu_seconds,
-        egress_bytes_by_link=egress, est_cost=cost, step_factor=factor, startup_seconds=startup,
-        bubble_fraction=(stages - 1) / (micro + stages - 1),
-    )
+    return _ReplicaStep(order, stages, schedule + tied_s + intra, slowest, micro, per_step, intra_bytes)
 
 
 def _bill(used: list[Assignment], offers: Mapping[str, ClusterOffer], index: Mapping[Key, WanLink],

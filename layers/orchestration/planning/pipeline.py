@@ -18,6 +18,17 @@ The search, over the candidates of one :class:`~layers.orchestration.planning.pl
 Each choice is priced with :func:`perf.predict_pipeline` (its step is (M + P − 1)/M times the slower
 of the slowest stage's compute and the slowest cut's transfer) and scored with the problem's
 objective; the deadline and budget bind as for data-parallel plans.
+
+Replicas (``spec.parallelism.dataReplicas`` D > 1, the runtime's replicas of the pipeline): D disjoint
+chains of P sites, D·P sites in all, every stage W GPUs wide. A heuristic, not an exhaustive search:
+every chain of P sites (as above, P·D within the sites allowed) is priced as one replica on 1/D of the
+batch with each width W; then, for each (P, W), chains are taken greedily, fastest first and cheapest
+first, each starting from one of the :data:`REPLICA_STARTS` best chains, every further chain disjoint
+from those taken and with each of its stage sites linked to the same stage's sites already taken (the
+replicas of a stage average over those links). Each set of D chains is then priced whole
+(:func:`perf.predict_pipeline`: the slowest replica plus the stages' averaging every H steps); its
+solver is ``heuristic``. Replica d's lines carry ``replica`` d and the plan's ring lists the sites
+replica-major, stage-minor (the runtime's order: site d·P + s runs stage s of replica d).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,10 +48,11 @@ from layers.orchestration.planning.types import Assignment, ClusterOffer, JobReq
 if TYPE_CHECKING:
     from layers.orchestration.planning.placement import Problem
 
-__all__ = ["EXHAUSTIVE_CHOICES", "allowed", "diagnose", "lower_bound_seconds", "solve", "stage_counts"]
+__all__ = ["EXHAUSTIVE_CHOICES", "REPLICA_STARTS", "allowed", "diagnose", "lower_bound_seconds", "solve", "stage_counts"]
 
 EXHAUSTIVE_CHOICES = 600  # ordered stage→site choices (over every P) priced one by one
 WIDTHS = 6  # GPUs-per-stage values tried for each choice
+REPLICA_STARTS = 4  # D > 1: greedy sets of chains started from this many of the best chains (per ranking)
 _MEMO: OrderedDict[tuple[Any, ...], list[Plan]] = OrderedDict()
 _MEMO_SIZE = 16
 
@@ -48,18 +61,25 @@ def allowed(req: JobRequirements) -> str | None:
     """Why this job cannot run as a pipeline (None: it can): the runtime cuts CPN's built-in LM only."""
     if req.workload != "lm":
         return "the pipeline strategy cuts CPN's built-in models only, not spec.code"
-    if req.data_replicas > 1:
-        return (f"spec.parallelism.dataReplicas {req.data_replicas}: the planner places one replica of the "
-                "pipeline; set dataReplicas to 1")
     return None
 
 
 def stage_counts(problem: Problem) -> range:
+    """The stage counts P the search tries: D·P sites (one stage of one replica each) within the sites
+    allowed and the sites with free GPUs, P within the model's units."""
     req = problem.req
-    top = min(problem.sites_max, len(problem.sites), perf.max_stages(req))
+    top = _top(problem)
     if req.stages is not None:
         return range(req.stages, req.stages + 1) if req.stages <= top else range(0)
-    return range(max(2, problem.sites_min), top + 1)
+    return range(max(2, -(-problem.sites_min // _replicas(req))), top + 1)
+
+
+def _replicas(req: JobRequirements) -> int:
+    return max(1, req.data_replicas)
+
+
+def _top(problem: Problem) -> int:
+    return min(min(problem.sites_max, len(problem.sites)) // _replicas(problem.req), perf.max_stages(problem.req))
 
 
 def lower_bound_seconds(problem: Problem) -> float:
@@ -98,6 +118,7 @@ def _search(problem: Problem) -> list[Plan]:
     counts = stage_counts(problem)
     if not len(counts) or allowed(req) is not None:
         return []
+    d = _replicas(req)
     by_site: dict[str, list[int]] = {}
     ratio = problem.price / np.maximum(problem.eff, 1e-12)
     for i in sorted(range(len(problem.offers)), key=lambda i: (ratio[i], problem.offers[i].name)):
@@ -105,21 +126,61 @@ def _search(problem: Problem) -> list[Plan]:
     strength = {s: float(sum(problem.free[i] * problem.eff[i] for i in members)) for s, members in by_site.items()}
     sites = sorted(by_site, key=lambda s: (-strength[s], s))
     k = len(sites)
-    while k > max(counts.start, 2) and sum(math.perm(k, p) for p in counts if p <= k) > EXHAUSTIVE_CHOICES:
+    while k > max(counts.start * d, 2) and sum(math.perm(k, p) for p in counts if p * d <= k) > EXHAUSTIVE_CHOICES:
         k -= 1
-    solver = "exact" if k == len(sites) else "heuristic"
+    solver = "exact" if k == len(sites) and d == 1 else "heuristic"
     sites = sites[:k]
     out: list[Plan] = []
     for stages in counts:
-        if stages > k:
+        if stages * d > k:
             break
         cuts = perf.stage_cuts(req, stages)
+        chains: list[Plan] = []
         for order in itertools.permutations(sites, stages):
             if any(problem.linked(a, b) <= 0 for a, b in zip(order, order[1:], strict=False)) or \
                     problem.linked(order[0], order[-1]) <= 0:
                 continue
-            out.extend(_widths(problem, list(order), cuts, by_site, solver))
+            chains.extend(_widths(problem, list(order), cuts, by_site, solver))
+        out.extend(chains if d == 1 else _replicated(problem, chains, d))
     return out
+
+
+def _replicated(problem: Problem, chains: list[Plan], d: int) -> list[Plan]:
+    """Sets of ``d`` disjoint chains of one width, taken greedily (see the module's docstring), each
+    priced whole; the deadline and budget bind the set, not its chains."""
+    by_width: dict[int, list[Plan]] = {}
+    for chain in chains:
+        by_width.setdefault(sum(a.gpus for a in chain.assignments if a.stage == 0), []).append(chain)
+    out: list[Plan] = []
+    seen: set[tuple[int, tuple[str, ...]]] = set()
+    for width, group in by_width.items():
+        rankings = (sorted(group, key=lambda c: (c.prediction.total_seconds, c.prediction.est_cost, c.ring)),
+                    sorted(group, key=lambda c: (c.prediction.est_cost, c.prediction.total_seconds, c.ring)))
+        for ranked in rankings:
+            for first in ranked[:REPLICA_STARTS]:
+                taken = [first]
+                for chain in ranked:
+                    if len(taken) == d:
+                        break
+                    if _fits_beside(problem, chain, taken):
+                        taken.append(chain)
+                ring = tuple(site for chain in taken for site in chain.ring)
+                if len(taken) < d or (width, ring) in seen:
+                    continue
+                seen.add((width, ring))
+                assignments = [replace(a, replica=r) for r, chain in enumerate(taken) for a in chain.assignments]
+                plan = _priced(problem, assignments, list(ring), "heuristic")
+                if plan is not None:
+                    out.append(plan)
+    return out
+
+
+def _fits_beside(problem: Problem, chain: Plan, taken: list[Plan]) -> bool:
+    """Disjoint from the chains taken, and each stage's site linked to that stage's sites there."""
+    used = {site for other in taken for site in other.ring}
+    if used & set(chain.ring):
+        return False
+    return all(problem.linked(site, other.ring[s]) > 0 for other in taken for s, site in enumerate(chain.ring))
 
 
 def _fit(problem: Problem, members: list[int], need_gb: float) -> list[int]:
@@ -139,8 +200,9 @@ def _width_options(low: int, high: int) -> list[int]:
 def _widths(problem: Problem, order: list[str], cuts: list[tuple[float, float]], by_site: dict[str, list[int]],
             solver: str) -> list[Plan]:
     req, stages = problem.req, len(order)
+    d = _replicas(req)
     out: list[Plan] = []
-    low = max(1, -(-problem.gpus_min // stages))
+    low = max(1, -(-problem.gpus_min // (stages * d)))
     room = None
     fitting: list[list[int]] = []
     for s, site in enumerate(order):  # memory: the most micro-batches in flight (width 1) bounds every width
@@ -149,7 +211,7 @@ def _widths(problem: Problem, order: list[str], cuts: list[tuple[float, float]],
         fitting.append(members)
         free = int(sum(problem.free[i] for i in members))
         room = free if room is None else min(room, free)
-    high = min(room or 0, problem.gpus_max // stages)
+    high = min(room or 0, problem.gpus_max // (stages * d))
     for width in _width_options(low, high):
         assignments = []
         for s, members in enumerate(fitting):
@@ -162,10 +224,21 @@ def _widths(problem: Problem, order: list[str], cuts: list[tuple[float, float]],
                     need -= take
                 if not need:
                     break
-        plan = _priced(problem, assignments, order, solver)
+        plan = _priced(problem, assignments, order, solver) if d == 1 else _chain(problem, assignments, order)
         if plan is not None:
             out.append(plan)
     return out
+
+
+def _chain(problem: Problem, assignments: list[Assignment], order: list[str]) -> Plan:
+    """One replica of D on its own, priced on 1/D of the batch and of the tokens (so on the job's steps),
+    without the replicas' averaging, the deadline or the budget: what the greedy sets rank chains by."""
+    req, d = problem.req, _replicas(problem.req)
+    one = replace(req, tokens=max(1, -(-req.tokens // d)), global_batch_tokens=max(1, req.global_batch_tokens // d),
+                  data_replicas=1, data=None, deadline_seconds=None, budget=None)
+    offers = {a.cluster: next(o for o in problem.offers if o.name == a.cluster) for a in assignments}
+    prediction = perf.predict_pipeline(one, assignments, offers, problem.links_among(sorted(set(order))))
+    return Plan(assignments, prediction, 0.0, "heuristic", list(order))
 
 
 def _priced(problem: Problem, assignments: list[Assignment], order: list[str], solver: str) -> Plan | None:
@@ -190,9 +263,18 @@ def diagnose(problem: Problem, whole: Infeasible | None) -> Infeasible:
     if reason is not None:
         return Infeasible(reason, field="spec.parallelism.dataReplicas" if req.data_replicas > 1 else "spec.code")
     counts = stage_counts(problem)
-    top = min(problem.sites_max, len(problem.sites), perf.max_stages(req))
+    d = _replicas(req)
+    room = min(problem.sites_max, len(problem.sites))
+    top = min(room, perf.max_stages(req))
     prefix = f"{whole.message.removesuffix('. Choose a smaller model')}. " if whole is not None else ""
     if not len(counts):
+        least = req.stages if req.stages is not None and req.stages <= perf.max_stages(req) else 2
+        if d > 1 and least * d > room:
+            return Infeasible(f"{prefix}spec.parallelism.dataReplicas {d}: {d} replicas of a pipeline of {least} "
+                              f"stages need {d * least} sites (one stage of one replica per site); "
+                              f"{len(problem.sites)} sites with free GPUs are allowed"
+                              + (f" and spec.sites.max is {problem.sites_max}" if problem.sites_max < d * least
+                                 else ""), field="spec.parallelism.dataReplicas")
         if req.stages is not None:
             return Infeasible(f"{prefix}spec.parallelism.pipelineStages {req.stages}: at most {top} stages here "
                               f"(one per site: {len(problem.sites)} sites with free GPUs are allowed; the model "
@@ -206,6 +288,11 @@ def diagnose(problem: Problem, whole: Infeasible | None) -> Infeasible:
                           f"needs {need:.3g} GB per GPU; the largest GPU offered has {largest:g} GB. Choose a "
                           "smaller model", field="spec.model")
     stages = counts.stop - 1
+    if d > 1:
+        return Infeasible(f"{prefix}spec.parallelism.dataReplicas {d}: no {d} disjoint chains of {counts.start}–"
+                          f"{stages} linked sites, each stage's sites linked across the replicas, have GPUs that "
+                          "hold each stage at one width within the job's limits (GPUs, deadline, budget)",
+                          field="spec.parallelism.dataReplicas")
     return Infeasible(f"{prefix}No pipeline of {counts.start}–{stages} stages fits: no chain of that many linked "
                       f"sites has GPUs that hold each stage within the job's limits (GPUs, deadline, budget)",
                       field="spec.parallelism.pipelineStages" if req.stages is not None else "spec.model")

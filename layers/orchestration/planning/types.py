@@ -153,7 +153,8 @@ class JobRequirements:
     data: DataNeed | None = None  # spec.dataset when it names a Dataset (planning/data.py)
     profiled: Profiled | None = None  # spec.profile, once measured: compute is priced from it (perf.py)
     stages: int | None = None  # spec.parallelism.pipelineStages: a pipeline of exactly this many stages
-    data_replicas: int = 1  # spec.parallelism.dataReplicas: replicas of the pipeline (the runtime runs 1)
+    # spec.parallelism.dataReplicas: D copies of the pipeline on D disjoint chains of sites (planning/pipeline.py)
+    data_replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ class Assignment:
     gpus: int
     gpu_model: str
     stage: int | None = None  # pipeline stage the cluster's GPUs run (None: data parallel)
+    replica: int | None = None  # which of D > 1 replicas of the pipeline (None: one pipeline, or data parallel)
 
 
 @dataclass
@@ -191,6 +193,11 @@ class Prediction:
     data_seconds: float = 0.0  # waiting for the dataset's copies (planning/data.py); already in total_seconds
     data_moves: dict[str, DataMove] = field(default_factory=dict)  # placed site → its copy of the dataset
     bubble_fraction: float = 0.0  # pipeline: the idle share of a step on free links, (P−1)/(M+P−1)
+    # pipeline replicas (D > 1): the stages' cross-replica averaging every H steps, per step (already in
+    # comm/step seconds) and in WAN bytes over the run (already in wan_bytes); H the averaging period
+    replica_seconds_per_step: float = 0.0
+    replica_wan_bytes: float = 0.0
+    replica_inner_steps: int = 0
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Pipeline placement (issue 14): per-stage memory, the 1F1B step model, the stage→site search, and
-when `auto` takes a pipeline."""
+when `auto` takes a pipeline; D > 1 replicas of the pipeline (spec.parallelism.dataReplicas) on
+disjoint chains of sites, priced with the stages' cross-replica averaging."""
 
 from __future__ import annotations
 
@@ -147,3 +148,95 @@ def test_limits_bind_the_pipeline_too() -> None:
     with pytest.raises(Infeasible) as caught:  # the runtime cuts its own LM only: spec.code stays whole
         placement.plan(code, offers, links, BALANCED)
     assert caught.value.field == "spec.model"
+
+
+FOUR = "ABCD"
+
+
+def _four(**kw) -> tuple[list[ClusterOffer], list[WanLink]]:  # type: ignore[no-untyped-def]
+    offers = [gpu(x, x, **kw) for x in FOUR]
+    return offers, [link(a, b, 100.0) for i, a in enumerate(FOUR) for b in FOUR[i + 1:]]
+
+
+def test_two_replicas_run_on_disjoint_chains_with_their_replica_and_stage() -> None:
+    offers, links = _four()
+    req = llama(strategy="pipeline", data_replicas=2, stages=2)
+    plan = placement.plan(req, offers, links, BALANCED)
+    assert plan.strategy == "pipeline" and plan.solver == "heuristic"
+    slots = {(a.replica, a.stage): a.site for a in plan.assignments}
+    assert sorted(slots) == [(0, 0), (0, 1), (1, 0), (1, 1)], plan.assignments  # 4 lines of stage
+    assert len(set(slots.values())) == 4, slots  # every (replica, stage) on a site of its own
+    widths: dict[tuple[int | None, int | None], int] = {}
+    for a in plan.assignments:
+        widths[(a.replica, a.stage)] = widths.get((a.replica, a.stage), 0) + a.gpus
+    assert len(set(widths.values())) == 1, widths  # one width W everywhere
+    assert plan.ring == [slots[(d, s)] for d in (0, 1) for s in (0, 1)]  # replica-major, stage-minor
+    one = placement.plan(llama(strategy="pipeline", stages=2), offers, links, BALANCED)
+    assert all(a.replica is None for a in one.assignments)  # one pipeline: its lines as before
+
+
+def test_the_replicas_step_is_the_slowest_replica_on_half_the_batch_plus_the_averaging() -> None:
+    req = llama(strategy="pipeline", data_replicas=2, compression=None)
+    offers = {"a": gpu("a", "A", memory=80, model="H100", tflops=989.0), "b": gpu("b", "B", memory=80, model="H100",
+                                                                                   tflops=989.0),
+              "c": gpu("c", "C"), "d": gpu("d", "D")}
+    fast = [Assignment("a", "A", 8, "H100", stage=0, replica=0), Assignment("b", "B", 8, "H100", stage=1, replica=0)]
+    slow = [Assignment("c", "C", 8, "RTX4090", stage=0, replica=1),
+            Assignment("d", "D", 8, "RTX4090", stage=1, replica=1)]
+    links = [link(a, b, 100.0) for i, a in enumerate(FOUR) for b in FOUR[i + 1:]]
+    pred = perf.predict_pipeline(req, fast + slow, offers, links)
+    half = replace(req, data_replicas=1, global_batch_tokens=req.global_batch_tokens // 2)
+    alone = [perf.predict_pipeline(half, [replace(a, replica=None) for a in r], offers, links) for r in (fast, slow)]
+    assert alone[1].step_seconds > alone[0].step_seconds  # the RTX replica is the slower
+    h = perf.replica_inner_steps(req, 4, 32, pred.steps)
+    assert h == req.inner_steps == pred.replica_inner_steps == 100  # the spec's H (not autotuned here)
+    cuts = perf.stage_cuts(req, 2)
+    averaging = max(perf.ring_allreduce_seconds(p * 4, 2, 100.0, 20.0 / 2e3) for p, _ in cuts) / h
+    assert pred.replica_seconds_per_step == pytest.approx(averaging) and averaging > 0
+    assert pred.step_seconds == pytest.approx(alone[1].step_seconds + averaging)
+    # WAN bytes: each replica's cuts, tied table and targets on half the batch, plus every stage's
+    # 2(D−1)/D · 4 B · K_s from each of its two sites every H steps
+    act = req.global_batch_tokens // 2 * 4096 * 4
+    tied = perf.PIPELINE_VOCAB * 4096 * 4
+    per_replica = 2 * act + 2 * tied + req.global_batch_tokens // 2
+    replica_bytes = sum(2 * (2 * (2 - 1) / 2 * p * 4) for p, _ in cuts) / h
+    assert pred.replica_wan_bytes == pytest.approx(replica_bytes * pred.steps)
+    assert pred.wan_bytes == pytest.approx((2 * per_replica + replica_bytes) * pred.steps)
+    assert pred.egress_bytes_by_link[("A", "C")] == pytest.approx(cuts[0][0] * 4 / h * pred.steps)
+    slower = perf.predict_pipeline(replace(req, inner_steps=1), fast + slow, offers, links)  # average every step
+    assert slower.replica_seconds_per_step == pytest.approx(averaging * h)
+    assert slower.wan_bytes > pred.wan_bytes + 50 * pred.replica_wan_bytes
+
+
+def test_unset_h_is_the_runtimes_rule_for_replicas() -> None:
+    from cpn.runtime.autotune import resolve
+    from cpn.runtime.config import TrainConfig
+    from cpn.runtime.topology import Topology
+
+    shape = MODEL_PRESETS["tiny"]
+    req = JobRequirements(model=ModelShape(shape["parameters"], shape["layers"], shape["hidden"], shape["seqLen"]),
+                          tokens=2_000_000, global_batch_tokens=1024, strategy="pipeline", data_replicas=2,
+                          autotuned=frozenset({"inner_steps", "compression", "overlap"}))
+    steps = perf.budget_steps(req)
+    cfg = TrainConfig.model_validate({"model": "tiny", "tokens": req.tokens, "global_batch_tokens": 1024,
+                                      "seq_len": shape["seqLen"], "strategy": {"name": "pipeline", "stages": 2}})
+    topo = Topology.model_validate({"sites": [{"name": f"s{i}", "ranks": 1} for i in range(4)]})
+    runtime_h = resolve(cfg, topo).strategy.inner_steps
+    assert perf.replica_inner_steps(req, 4, 4, steps) == runtime_h and runtime_h > 1
+
+
+def test_replicas_that_the_sites_cannot_hold_name_data_replicas() -> None:
+    offers, links = _four()
+    with pytest.raises(Infeasible) as caught:  # 2 x 3 stages: 6 sites, 4 here
+        placement.plan(llama(strategy="pipeline", data_replicas=2, stages=3), offers, links, BALANCED)
+    assert caught.value.field == "spec.parallelism.dataReplicas" and "need 6 sites" in caught.value.message
+    with pytest.raises(Infeasible) as caught:  # 3 replicas of the least pipeline (2 stages): 6 sites
+        placement.plan(llama(strategy="pipeline", data_replicas=3), offers, links, BALANCED)
+    assert caught.value.field == "spec.parallelism.dataReplicas", caught.value
+    with pytest.raises(Infeasible) as caught:  # the same stage's sites must be linked: they average over it
+        placement.plan(llama(strategy="pipeline", data_replicas=2, stages=2), offers,
+                       [link("A", "B", 100.0), link("C", "D", 100.0)], BALANCED)
+    assert caught.value.field == "spec.parallelism.dataReplicas", caught.value
+    with pytest.raises(Infeasible) as caught:
+        placement.plan(llama(strategy="pipeline", data_replicas=2, workload="code:abc"), offers, links, BALANCED)
+    assert caught.value.field == "spec.parallelism.dataReplicas", caught.value
