@@ -231,3 +231,36 @@ def test_ps_backup_drops_the_slow_sites_pushes_and_finishes_sooner(tmp_path: Pat
     assert sync["ps_dropped"] == 0 and backup["ps_dropped"] > 0, (sync, backup)
     assert backup["wall_seconds"] < sync["wall_seconds"], (backup["wall_seconds"], sync["wall_seconds"])
     assert backup["final_val_loss"] < backup["initial_val_loss"] - 1.5
+
+
+def test_a_rank_that_never_posts_its_speed_costs_one_timeout_not_one_per_window() -> None:
+    """A dead site's rank never posts again: the first balance window after its death waits the WAN
+    timeout for it; the later windows leave it out (they used to wait the timeout every 25 steps) and
+    still split the batch by the live ranks' speeds."""
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from cpn.runtime.metrics import Timers
+    from cpn.runtime.strategies.base import Strategy
+
+    store = dist.HashStore()
+    cfg = tiny("diloco", balance=True, wan_timeout_seconds=2.0)
+    ctx = SimpleNamespace(busy_seconds=0.0, sequences_done=0, store=store, groups=SimpleNamespace(world_size=3),
+                          rank=0, shares=None, micro_batch=None, timers=Timers())
+    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx)
+    posts = dist.PrefixStore("cpn/balance", store)
+    Strategy.rebalance(rank0, 1)  # the first window starts
+    ctx.busy_seconds, ctx.sequences_done = 1.0, 10
+    posts.set("5/1", "10.0")  # rank 1 posts; rank 2's site is dead
+    started = time.monotonic()
+    Strategy.rebalance(rank0, 5)
+    assert time.monotonic() - started >= 2.0 and ctx.shares is None and rank0._silent == {2}
+    ctx.busy_seconds, ctx.sequences_done = 2.0, 30  # rank 0: 20 sequences per busy second
+    posts.set("25/1", "5.0")
+    started = time.monotonic()
+    Strategy.rebalance(rank0, 25)
+    assert time.monotonic() - started < 1.0  # rank 2 is not waited for again
+    assert ctx.shares is not None and ctx.shares[0] > ctx.shares[1] and sum(ctx.shares) == cfg.global_sequences
+    assert ctx.micro_batch == ctx.shares[0]

@@ -306,7 +306,9 @@ class Strategy:
         :data:`BALANCE_WINDOWS` and every :data:`BALANCE_EVERY` steps after them, every rank posts its speed over the window (sequences per busy second)
         on the job's store and all take the same new split of the global batch, so a synchronous step
         takes as long everywhere instead of waiting for the slowest. The weighted averages follow
-        the shares. A rank that does not post within ``wan_timeout_seconds`` leaves the split as it was."""
+        the shares. A rank that does not post within ``wan_timeout_seconds`` leaves the split as it was,
+        and later windows no longer wait for it (a dead site would otherwise cost the timeout every window);
+        it keeps the mean speed of the others, so the live ranks' split still follows their speeds."""
         if not (self.balanced and self.cfg.strategy.balance):
             return
         ctx = self.ctx
@@ -320,12 +322,16 @@ class Strategy:
         store = dist.PrefixStore("cpn/balance", ctx.store)
         store.set(f"{step}/{ctx.rank}", repr(seqs / max(busy, 1e-9)))
         world = ctx.groups.world_size
-        keys = [f"{step}/{r}" for r in range(world)]
+        silent: set[int] = getattr(self, "_silent", set())
+        keys = {r: f"{step}/{r}" for r in range(world) if r not in silent}
         with ctx.timers.timed("wait"):
-            present = wait_keys(store, keys, time.monotonic() + self.cfg.strategy.wan_timeout_seconds)
-        if len(present) < world:
+            present = set(wait_keys(store, list(keys.values()), time.monotonic() + self.cfg.strategy.wan_timeout_seconds))
+        if len(present) < len(keys):
+            self._silent = silent | {r for r, k in keys.items() if k not in present}
             return
-        speeds = [float(store.get(k)) for k in keys]
+        posted = {r: float(store.get(k)) for r, k in keys.items()}
+        mean = sum(posted.values()) / len(posted)
+        speeds = [posted.get(r, mean) for r in range(world)]
         if max(speeds) <= BALANCE_THRESHOLD * min(speeds):  # equal hardware: noise, not a straggler
             ctx.shares = self.cfg.shares(world)
         else:
