@@ -161,14 +161,24 @@ def views(quotes: list[dict[str, Any]], chosen: str | None, *, pricing_only: str
     return items
 
 
+def placement_summary(lines: list[dict[str, Any]]) -> str:
+    """One line per quote: "2xH100@fra-1,1xA100@ams-1"; a pipeline's stages in order,
+    "s0:1xCPU@a>s1:1xCPU@b" (the activations' path); its replicas apart, "s0:…>s1:… | s0:…>s1:…"."""
+    if not any(p.get("stage") is not None for p in lines):
+        return ",".join(f"{p['gpus']}x{p['gpuModel']}@{p['site']}" for p in lines)
+    replicas: dict[int, list[dict[str, Any]]] = {}
+    for p in lines:
+        replicas.setdefault(p.get("replica") or 0, []).append(p)
+    return " | ".join(">".join(f"s{p['stage']}:{p['gpus']}x{p['gpuModel']}@{p['site']}"
+                               for p in sorted(chain, key=lambda p: p.get("stage") or 0))
+                      for _, chain in sorted(replicas.items()))
+
+
 def _view(q: dict[str, Any], chosen: str | None, now: datetime) -> dict[str, Any]:
     q = dict(q)
     q["metadata"] = {"name": q["label"]}
     q["chosen"] = "*" if chosen is not None and chosen in (q["label"], q["id"]) else ""
-    # a pipeline's lines name their stage: "s0:1xCPU@a>s1:1xCPU@b" (the activations' path)
-    q["placementSummary"] = (">" if any(p.get("stage") is not None for p in q["placement"]) else ",").join(
-        ("" if p.get("stage") is None else f"s{p['stage']}:") + f"{p['gpus']}x{p['gpuModel']}@{p['site']}"
-        for p in sorted(q["placement"], key=lambda p: p.get("stage") or 0))
+    q["placementSummary"] = placement_summary(q["placement"])
     q["gpus"] = sum(p["gpus"] for p in q["placement"])
     if q["state"] == "open" and datetime.fromisoformat(q["expiresAt"]) <= now:
         q["state"] = "expired"

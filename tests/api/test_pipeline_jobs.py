@@ -148,6 +148,8 @@ async def test_two_replicas_are_quoted_on_disjoint_sites_and_planned_replica_maj
         assert len({p["site"] for p in q["placement"]}) == 4, q["placement"]  # disjoint chains
         order = sorted(q["placement"], key=lambda p: (p["replica"], p["stage"]))
         assert q["ring"] == [p["site"] for p in order], q
+        first, second = q["placementSummary"].split(" | ")  # each replica's chain of stages, apart
+        assert first.startswith(f"s0:{order[0]['gpus']}x{order[0]['gpuModel']}@{order[0]['site']}>s1:") and second.startswith("s0:"), q["placementSummary"]
     async with db.session() as s:  # the stored prediction: the stages' averaging, inside the step and the WAN bytes
         stored = (await s.execute(select(QuoteRow).join(JobRow, JobRow.id == QuoteRow.job_id)
                                   .where(JobRow.name == "alice/twice"))).scalars().all()
