@@ -144,6 +144,12 @@ def _h(job: Job, compression: str) -> int:
     return max(1, min(max(MIN_H, budget), job.total_steps // MIN_ROUNDS or 1))
 
 
+def replica_inner_steps(job: Job) -> int:
+    """H between two averagings of a pipeline's replicas: local SGD's rule with an uncompressed exchange
+    over all of the job's sites (the planner prices the same H: one source)."""
+    return _h(job, "none")
+
+
 def choose(name: str, job: Job, link: Link, step_seconds: float, *, inner_steps: int | None = None,
            compression: str = AUTO, overlap: bool | None = None) -> tuple[int, str, bool, int]:
     """``(H, compression, overlap, τ)`` for strategy ``name`` (not ``auto``): explicit values kept, the
@@ -180,7 +186,7 @@ def resolve(cfg: TrainConfig, topology: Topology, wan_mbps: float | None = None)
     h, compression, overlap, tau = choose(name, _job(cfg, topology), link, step_s, inner_steps=s.inner_steps,
                                           compression=s.compression, overlap=s.overlap)
     if name == "pipeline" and s.inner_steps is None and topology.num_sites > (s.stages or topology.num_sites):
-        h = _h(_job(cfg, topology), "none")  # replicas of the pipeline average as local SGD does
+        h = replica_inner_steps(_job(cfg, topology))
     tau = s.overlap_steps if s.overlap_steps is not None else tau
     rounds = cfg.total_steps / max(1, h)
     momentum = s.outer_momentum

@@ -651,9 +651,10 @@ def replica_inner_steps(req: JobRequirements, sites: int, world: int, steps: int
     all ``sites`` = D·P sites; one source)."""
     if "inner_steps" not in req.autotuned:
         return max(1, min(req.inner_steps, steps))
-    from cpn.runtime.autotune import Job, _h
+    from cpn.runtime.autotune import Job
+    from cpn.runtime.autotune import replica_inner_steps as runtime_rule
 
-    return _h(Job(parameters=req.model.parameters, sites=sites, world=world, total_steps=max(1, steps)), "none")
+    return runtime_rule(Job(parameters=req.model.parameters, sites=sites, world=world, total_steps=max(1, steps)))
 
 
 @dataclass
