@@ -379,7 +379,7 @@ def _raise_for(why: str | None, results: list[WorkerResult], timeout: float | ti
             f"workers did not finish within {_seconds(timeout):.0f}s; raise the timeout", results
         )
     if bad:
-        first = bad[0]
+        first = next((r for r in bad if r.stopped is None), bad[0])  # a rank that failed, not one stopped for it
         tail = f":\n{first.log[-2000:]}" if first.log else " (see its stderr above)"
         raise WorkerFailed(
             f"{len(bad)} of {len(results)} workers failed; rank {first.rank} exited {first.exit_code}{tail}",

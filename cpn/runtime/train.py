@@ -79,8 +79,11 @@ def failure_lines(results: list, planned: set[int], timeout: float | None = None
             within = f" within {timeout:.0f} s" if timeout else ""
             lines.append(f"rank {r.rank} (site {r.site}) had not finished{within}: stopped (raise the timeout)")
             continue
-        if stopped is not None:
+        if stopped == "failure":
             lines.append(f"rank {r.rank} (site {r.site}) was stopped after another rank failed")
+            continue
+        if stopped is not None:
+            lines.append(f"rank {r.rank} (site {r.site}) was stopped ({stopped})")
             continue
         tail = [line.strip() for line in r.log.splitlines() if line.strip()]
         errors = [line for line in tail if "Error" in line or "Exception" in line or line.startswith("RuntimeError")]

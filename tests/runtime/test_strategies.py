@@ -257,6 +257,12 @@ def test_a_rank_that_never_posts_its_speed_costs_one_timeout_not_one_per_window(
     started = time.monotonic()
     Strategy.rebalance(rank0, 5)
     assert time.monotonic() - started >= 2.0 and ctx.shares is None and rank0._silent == {2}
+    # rank 2 was only late: it finds every speed posted, yet takes the window's verdict, as rank 0 did
+    late_ctx = SimpleNamespace(**{**vars(ctx), "rank": 2, "shares": None, "timers": Timers()})
+    late = SimpleNamespace(balanced=True, cfg=cfg, ctx=late_ctx, _window=(0.0, 0))
+    late_ctx.busy_seconds, late_ctx.sequences_done = 1.0, 10
+    Strategy.rebalance(late, 5)
+    assert late_ctx.shares is None and late._silent == {2}
     ctx.busy_seconds, ctx.sequences_done = 2.0, 30  # rank 0: 20 sequences per busy second
     posts.set("25/1", "5.0")
     started = time.monotonic()

@@ -308,7 +308,9 @@ class Strategy:
         takes as long everywhere instead of waiting for the slowest. The weighted averages follow
         the shares. A rank that does not post within ``wan_timeout_seconds`` leaves the split as it was,
         and later windows no longer wait for it (a dead site would otherwise cost the timeout every window);
-        it keeps the mean speed of the others, so the live ranks' split still follows their speeds."""
+        it keeps the mean speed of the others, so the live ranks' split still follows their speeds. Which
+        ranks were missing is decided once per window on the store (the first rank to finish waiting
+        writes it, the others read it), so every rank takes the same split."""
         if not (self.balanced and self.cfg.strategy.balance):
             return
         ctx = self.ctx
@@ -326,8 +328,10 @@ class Strategy:
         keys = {r: f"{step}/{r}" for r in range(world) if r not in silent}
         with ctx.timers.timed("wait"):
             present = set(wait_keys(store, list(keys.values()), time.monotonic() + self.cfg.strategy.wan_timeout_seconds))
-        if len(present) < len(keys):
-            self._silent = silent | {r for r, k in keys.items() if k not in present}
+        mine = json.dumps(sorted(r for r, k in keys.items() if k not in present))
+        missing = json.loads(store.compare_set(f"{step}/missing", "", mine).decode())  # the first verdict stands
+        if missing:
+            self._silent = silent | set(missing)
             return
         posted = {r: float(store.get(k)) for r, k in keys.items()}
         mean = sum(posted.values()) / len(posted)

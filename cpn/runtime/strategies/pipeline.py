@@ -21,10 +21,11 @@ what crosses a cut in both directions.
 Replicas (``stages`` P below the job's S sites, S = D·P): sites d·P … d·P+P−1 run replica d of the
 whole pipeline on its 1/D of each step's sequences (stage 0's local rank j of replica d reads shard
 d·W+j of D·W). The replicas of a stage combine as local SGD does (``strategy.inner_steps`` H): every
-H steps, and before each validation and at the end, each stage's parameters are averaged over its D
-copies (a ring all-reduce of the stage, counted as ``wan_replica_bytes``); with H = 1 the replicas
-instead average the stage's gradients every step (token-weighted), the same optimisation as one
-process training the whole batch. ``auto`` (H unset) picks H as for local SGD: the smallest that
+H steps and at the end, each stage's parameters are averaged over its D copies (the site leaders'
+ring all-reduce of the stage, counted as ``wan_replica_bytes``, then a broadcast inside each site);
+with H = 1 the replicas instead average the stage's gradients every step (token-weighted), the same
+optimisation as one process training the whole batch. Validations between averagings evaluate
+replica 0's model. ``auto`` (H unset) picks H as for local SGD: the smallest that
 keeps the exchange within a fraction of ddp's WAN bytes. Losing a site stops the whole job (its
 collectives fail); the orchestrator re-places it from the last checkpoint as for any synchronous job.
 
@@ -51,7 +52,7 @@ from cpn.runtime.config import TrainConfig, trim_shares
 from cpn.runtime.data import ShardSampler, load_corpus, split_corpus
 from cpn.runtime.device import HOST, autocast
 from cpn.runtime.stages import Stage, cut_model, unit_names
-from cpn.runtime.strategies.base import Context, Strategy, make_optimizer, weigh
+from cpn.runtime.strategies.base import Context, Strategy, make_optimizer, site_broadcast, weigh
 from cpn.runtime.topology import Topology
 
 __all__ = ["Pipeline", "ideal_bubble"]
@@ -59,6 +60,7 @@ __all__ = ["Pipeline", "ideal_bubble"]
 TIED_TAG, TARGET_TAG, GATHER_TAG = 1, 2, 3
 MICRO_TAG = 16  # micro-batch i's activations go with tag MICRO_TAG + 2i, their gradients with MICRO_TAG + 2i + 1
 STATS_KEY = "cpn/pipeline"
+REPLICA_TIMEOUT_SECONDS = 1800.0  # how long a stage's leader waits for the other replicas' copies
 
 
 def ideal_bubble(stages: int, micro_batches: int) -> float:
@@ -129,18 +131,19 @@ class Pipeline(Strategy):
         self.copies = self._replica_group(topo)
 
     def _replica_group(self, topo: Topology) -> dist.ProcessGroup | None:
-        """This rank's group with the same stage and local rank in every replica (every rank builds
-        every group, in the same order, as torch.distributed requires)."""
+        """This site leader's group with the same stage's leaders in every replica (every rank builds
+        every group, in the same order, as torch.distributed requires). The ranks of a site hold the
+        same stage, so only the leaders cross the WAN. Between averagings the replicas run apart (a
+        slower one arrives H slow steps later), hence a generous timeout: a lost site stops the job anyway."""
         if self.D == 1:
             return None
         mine = None
-        timeout = timedelta(seconds=max(60.0, 4 * self.cfg.strategy.wan_timeout_seconds))
+        timeout = timedelta(seconds=max(REPLICA_TIMEOUT_SECONDS, 4 * self.cfg.strategy.wan_timeout_seconds))
         for stage in range(self.P):
-            for j in range(self.W):
-                ranks = [topo.global_rank(d * self.P + stage, j) for d in range(self.D)]
-                group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-                if self.ctx.rank in ranks:
-                    mine = group
+            ranks = [topo.leader_rank(d * self.P + stage) for d in range(self.D)]
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if self.ctx.rank in ranks:
+                mine = group
         return mine
 
     # ------------------------------------------------------------------ peers
@@ -308,37 +311,37 @@ class Pipeline(Strategy):
         if self.stage_tokens or (self.D > 1 and self.H == 1 and self.step_tokens):
             self._inner_step()
         done = step + 1
-        if self.D > 1 and self.H > 1 and (done % self.H == 0 or done % self.cfg.val_every == 0):
+        if self.D > 1 and self.H > 1 and done % self.H == 0:
             self._average(done)
         if done % self.cfg.val_every == 0:
             self._gather(done)
 
     # ------------------------------------------------------------------ across replicas
-    def _replica_allreduce(self, flat: Tensor) -> None:
-        """Sum ``flat`` over this stage's copies in the D replicas (a ring across their sites)."""
-        nbytes = flat.numel() * flat.element_size()
-        sent = 2 * (self.D - 1) * nbytes // self.D
-        self.ctx.timers.wan_bytes += sent
-        self.stats.replica_bytes += sent
-        with self.ctx.timers.timed("comm"):
-            dist.all_reduce(flat, group=self.copies)
+    def _replica_allreduce(self, tensors: list[Tensor], scale: float) -> None:
+        """``tensors`` × ``scale``, summed over this stage's copies in the D replicas: a ring across the
+        sites' leaders, then a broadcast inside each site (its ranks hold the same stage)."""
+        if self.copies is not None:
+            flat = flat_params_of(tensors).mul_(scale)
+            nbytes = flat.numel() * flat.element_size()
+            sent = 2 * (self.D - 1) * nbytes // self.D
+            self.ctx.timers.wan_bytes += sent
+            self.stats.replica_bytes += sent
+            with self.ctx.timers.timed("comm"):
+                dist.all_reduce(flat, group=self.copies)
+            _load(tensors, flat)
+        site_broadcast(self.ctx, tensors)
 
     def _average_grads(self) -> None:
         """H = 1: the stage's gradients, token-weighted over the replicas (each replica's are its mean)."""
-        grads = [p.grad for p in self.params]
-        flat = flat_params_of(grads)
-        flat.mul_(self.stage_tokens / self.step_tokens if self.step_tokens else 0.0)
-        self._replica_allreduce(flat)
-        _load(grads, flat)
+        self._replica_allreduce([p.grad for p in self.params],
+                                self.stage_tokens / self.step_tokens if self.step_tokens else 0.0)
 
     def _average(self, done: int) -> None:
         """Local SGD across replicas: each stage's parameters become the mean of its D copies."""
         if done == self._averaged:
             return
         self._averaged = done
-        flat = flat_params_of(self.params)
-        self._replica_allreduce(flat)
-        _load(self.params, flat.div_(self.D))
+        self._replica_allreduce([p.data for p in self.params], 1.0 / self.D)
 
     def _sum_tied_grad(self) -> None:
         """First and last stage add their gradients of the token table (a + b == b + a exactly)."""
