@@ -26,6 +26,7 @@ __all__ = ["Job", "Link", "choose", "explain", "link_of", "resolve", "resolve_st
 WAN_FRACTION = 1 / 110
 MIN_H = 8  # below this the exchange's fixed costs (check-in, group, codec) dominate a round
 MIN_ROUNDS = 4  # at least this many outer steps per run, whatever the WAN budget says
+REPLICA_FRACTION = 0.1  # pipeline replicas: averaging bytes at most this fraction of what the cuts move
 MOMENTUM_ROUNDS = 50  # fewer outer steps than this: plain averaging (momentum 0.9 needs ~10 rounds to build)
 DILOCO_TOKEN_EFFICIENCY = 1.15  # measured here: diloco at H=20 matches ddp's loss with ~15 % more tokens
 # overlap the exchange (τ-delayed outer step) when it would cost more than this fraction of a round's
@@ -144,10 +145,21 @@ def _h(job: Job, compression: str) -> int:
     return max(1, min(max(MIN_H, budget), job.total_steps // MIN_ROUNDS or 1))
 
 
-def replica_inner_steps(job: Job) -> int:
-    """H between two averagings of a pipeline's replicas: local SGD's rule with an uncompressed exchange
-    over all of the job's sites (the planner prices the same H: one source)."""
-    return _h(job, "none")
+def replica_inner_steps(parameters: int, hidden: int, batch_tokens: int, stages: int, replicas: int,
+                        total_steps: int) -> int:
+    """H between two averagings of a pipeline's replicas (the planner prices the same H: one source).
+
+    The pipeline's cuts already move 2 · 4 B · hidden · T · (P−1) bytes a step (activations forward,
+    their gradients back); one averaging of every stage over D replicas moves 2(D−1) · 4 B · parameters.
+    H is the smallest that keeps the averaging within :data:`REPLICA_FRACTION` of the cuts' traffic,
+    (D−1)·parameters / (f · hidden · T · (P−1)), and at most total_steps / :data:`MIN_ROUNDS`: averaging
+    is cheap beside the activations, and rarer averaging cost loss here (4 sites, `tiny`: H = 18 ended
+    +1.8 % above ddp, averaging every 7 steps −0.5 %; docs/benchmarks/pipeline-notes.md)."""
+    if replicas <= 1:
+        return 1
+    cuts = max(1, stages - 1)
+    h = math.ceil((replicas - 1) * parameters / (REPLICA_FRACTION * hidden * batch_tokens * cuts))
+    return max(1, min(h, total_steps // MIN_ROUNDS or 1))
 
 
 def choose(name: str, job: Job, link: Link, step_seconds: float, *, inner_steps: int | None = None,
@@ -186,7 +198,9 @@ def resolve(cfg: TrainConfig, topology: Topology, wan_mbps: float | None = None)
     h, compression, overlap, tau = choose(name, _job(cfg, topology), link, step_s, inner_steps=s.inner_steps,
                                           compression=s.compression, overlap=s.overlap)
     if name == "pipeline" and s.inner_steps is None and topology.num_sites > (s.stages or topology.num_sites):
-        h = replica_inner_steps(_job(cfg, topology))
+        stages = s.stages or topology.num_sites
+        h = replica_inner_steps(_params(cfg), PRESETS[cfg.model].d_model, cfg.global_batch_tokens, stages,
+                                topology.num_sites // stages, cfg.total_steps)
     tau = s.overlap_steps if s.overlap_steps is not None else tau
     rounds = cfg.total_steps / max(1, h)
     momentum = s.outer_momentum

@@ -610,7 +610,7 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
             per_step[hop] = per_step.get(hop, 0.0) + b
     cuts = stage_cuts(req, stages)
     steps = budget_steps(req)
-    h = replica_inner_steps(req, d * stages, sum(a.gpus for a in used), steps) if d > 1 else 0
+    h = replica_inner_steps(req, stages, d, steps) if d > 1 else 0
     average_s, average_bytes = 0.0, 0.0
     for s in range(stages if d > 1 else 0):
         ring = [part.order[s] for part in parts]
@@ -644,17 +644,16 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
 REPLICA_VALUE_BYTES = 4
 
 
-def replica_inner_steps(req: JobRequirements, sites: int, world: int, steps: int) -> int:
+def replica_inner_steps(req: JobRequirements, stages: int, replicas: int, steps: int) -> int:
     """H, the steps between two averagings of the pipeline's replicas: the spec's inner_steps (at most
-    the run's steps, as the attempt's TrainConfig caps it), or unset the runtime's own rule for
-    replicas (:func:`cpn.runtime.autotune.resolve`: local SGD's H with an uncompressed exchange over
-    all ``sites`` = D·P sites; one source)."""
+    the run's steps, as the attempt's TrainConfig caps it), or unset the runtime's own rule
+    (:func:`cpn.runtime.autotune.replica_inner_steps`: one source)."""
     if "inner_steps" not in req.autotuned:
         return max(1, min(req.inner_steps, steps))
-    from cpn.runtime.autotune import Job
     from cpn.runtime.autotune import replica_inner_steps as runtime_rule
 
-    return runtime_rule(Job(parameters=req.model.parameters, sites=sites, world=world, total_steps=max(1, steps)))
+    return runtime_rule(req.model.parameters, req.model.hidden, req.global_batch_tokens, stages, replicas,
+                        max(1, steps))
 
 
 @dataclass
