@@ -25,8 +25,8 @@ H steps and at the end, each stage's parameters are averaged over its D copies (
 ring all-reduce of the stage, counted as ``wan_replica_bytes``, then a broadcast inside each site);
 with H = 1 the replicas instead average the stage's gradients every step (token-weighted), the same
 optimisation as one process training the whole batch. Validations between averagings evaluate
-replica 0's model. ``auto`` (H unset) picks H as for local SGD: the smallest that
-keeps the exchange within a fraction of ddp's WAN bytes. Losing a site stops the whole job (its
+replica 0's model. H unset: :func:`cpn.runtime.autotune.replica_inner_steps`, the smallest H that
+keeps the averaging within 10 % of the bytes the cuts move. Losing a site stops the whole job (its
 collectives fail); the orchestrator re-places it from the last checkpoint as for any synchronous job.
 
 The training loop evaluates on rank 0 with the whole model, so before each validation (and at the
