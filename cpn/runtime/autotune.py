@@ -197,10 +197,10 @@ def resolve(cfg: TrainConfig, topology: Topology, wan_mbps: float | None = None)
     step_s = _step_compute_seconds(cfg, topology)
     h, compression, overlap, tau = choose(name, _job(cfg, topology), link, step_s, inner_steps=s.inner_steps,
                                           compression=s.compression, overlap=s.overlap)
-    if name == "pipeline" and s.inner_steps is None and topology.num_sites > (s.stages or topology.num_sites):
-        stages = s.stages or topology.num_sites
+    stages, replicas = s.pipeline_shape(topology.num_sites)
+    if name == "pipeline" and s.inner_steps is None and replicas > 1:
         h = replica_inner_steps(_params(cfg), PRESETS[cfg.model].d_model, cfg.global_batch_tokens, stages,
-                                topology.num_sites // stages, cfg.total_steps)
+                                replicas, cfg.total_steps)
     tau = s.overlap_steps if s.overlap_steps is not None else tau
     rounds = cfg.total_steps / max(1, h)
     momentum = s.outer_momentum
@@ -223,8 +223,7 @@ def explain(cfg: TrainConfig, topology: Topology | None = None) -> str:
     if s.name in ("diloco", "local_sgd", "gossip", "ssp"):
         words.append(f"H={s.inner_steps}")
     if s.name == "pipeline" and topology is not None:
-        stages = s.stages or topology.num_sites
-        replicas = topology.num_sites // stages
+        stages, replicas = s.pipeline_shape(topology.num_sites)
         words.append(f"{stages} stages" + ("" if replicas == 1 else f" x {replicas} replicas averaged " + (
             "every step (gradients)" if s.inner_steps == 1 else f"every {s.inner_steps} steps")))
     if s.name == "diloco":

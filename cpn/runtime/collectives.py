@@ -673,8 +673,11 @@ def wan_allreduce(
     error_feedback: ErrorFeedback | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     key: Hashable = "wan",
+    group: ProcessGroup | None = None,
 ) -> Stats:
-    """All-reduce across sites only, among the leaders or this rank's same-local-rank group.
+    """All-reduce across sites only, among the leaders or this rank's same-local-rank group, or
+    ``group``: a cross-site group of the caller's own (e.g. a pipeline stage's replicas; ``via`` is
+    then only the stats' name).
 
     Ranks outside the chosen group return at once with zero stats (with ``via="leaders"`` only
     leaders take part; follow with :func:`broadcast_from_site_leader`).  ``avg`` divides by the
@@ -682,7 +685,8 @@ def wan_allreduce(
     """
     _check_op(op)
     g = groups or current_groups()
-    group = g.leaders if via == "leaders" else g.cross
+    if group is None:
+        group = g.leaders if via == "leaders" else g.cross
     codec = get_codec(compression)
     stats = Stats(algorithm=f"wan-{via}", compression=codec.name if codec else None)
     if group is None:

@@ -98,6 +98,11 @@ class StrategyConfig(_Model):
             raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=false")
         return self
 
+    def pipeline_shape(self, sites: int) -> tuple[int, int]:
+        """(P stages, D replicas) of a pipeline on ``sites`` sites: unset ``stages`` is one per site."""
+        stages = self.stages or sites
+        return stages, sites // stages
+
     @property
     def resolved(self) -> bool:
         return self.name != AUTO and None not in (self.inner_steps, self.outer_lr, self.outer_momentum, self.nesterov,

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpn.runtime.codecs import get_codec
-from cpn.runtime.collectives import site_allreduce
+from cpn.runtime.collectives import site_allreduce, wan_allreduce
 from cpn.runtime.config import TrainConfig, trim_shares
 from cpn.runtime.data import ShardSampler, load_corpus, split_corpus
 from cpn.runtime.device import HOST, autocast
@@ -95,7 +95,7 @@ class Pipeline(Strategy):
     def check(cls, cfg: TrainConfig, topology: Topology) -> None:
         from cpn.runtime.presets import PRESETS
 
-        sites, stages = topology.num_sites, cfg.strategy.stages or topology.num_sites
+        sites, (stages, _) = topology.num_sites, cfg.strategy.pipeline_shape(topology.num_sites)
         if stages > sites or sites % stages:
             raise ValueError(f"strategy.stages {stages} must divide the job's {sites} sites (one stage per site, "
                              f"each replica of the pipeline on {stages} sites): drop stages or set a divisor of {sites}")
@@ -111,8 +111,8 @@ class Pipeline(Strategy):
         super().__init__(ctx)
         topo = ctx.groups.topology
         self.check(self.cfg, topo)
-        self.P = self.cfg.strategy.stages or topo.num_sites
-        self.D, self.W, self.local = topo.num_sites // self.P, topo.workers_per_site, ctx.groups.local_rank
+        self.P, self.D = self.cfg.strategy.pipeline_shape(topo.num_sites)
+        self.W, self.local = topo.workers_per_site, ctx.groups.local_rank
         self.replica = ctx.site // self.P
         self.H = self.cfg.strategy.inner_steps or 1
         self.cuts = cut_model(self.model, self.P)
@@ -321,14 +321,11 @@ class Pipeline(Strategy):
         """``tensors`` × ``scale``, summed over this stage's copies in the D replicas: a ring across the
         sites' leaders, then a broadcast inside each site (its ranks hold the same stage)."""
         if self.copies is not None:
-            flat = flat_params_of(tensors).mul_(scale)
-            nbytes = flat.numel() * flat.element_size()
-            sent = 2 * (self.D - 1) * nbytes // self.D
-            self.ctx.timers.wan_bytes += sent
-            self.stats.replica_bytes += sent
+            torch._foreach_mul_(tensors, scale)
             with self.ctx.timers.timed("comm"):
-                dist.all_reduce(flat, group=self.copies)
-            _load(tensors, flat)
+                stats = wan_allreduce(tensors, self.ctx.groups, group=self.copies, key="replicas")
+            self.ctx.account(stats)
+            self.stats.replica_bytes += stats.wan_bytes
         site_broadcast(self.ctx, tensors)
 
     def _average_grads(self) -> None:
