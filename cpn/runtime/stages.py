@@ -1,16 +1,23 @@
-"""Cutting the built-in :class:`~cpn.runtime.model.TransformerLM` into contiguous pipeline stages.
+"""Cutting a model into contiguous pipeline stages.
 
-The model is a chain of *units*: the embedding (token + position tables), each transformer block,
-and the head (final norm + output projection). A cut is P contiguous runs of units chosen to make
-the largest stage's parameter count as small as possible (an exact DP; a handful of units). The
-head's projection is the token table (tied weights): the first and the last stage each hold a copy,
-and the pipeline adds their two gradients every step so both copies stay equal (what one process's
-autograd would do with the one shared tensor).
+A model is a chain of *units*, cut into P contiguous runs chosen to make the largest stage's
+parameter count as small as possible (an exact DP; a handful of units), or where the user says
+(``cuts``). Two kinds of model can be cut:
+
+- CPN's built-in :class:`~cpn.runtime.model.TransformerLM` (:class:`LMUnits`): the embedding (token
+  + position tables), each transformer block, and the head (final norm + output projection). The
+  head's projection is the token table (tied weights): the first and the last stage each hold a copy,
+  and the pipeline adds their two gradients every step so both copies stay equal (what one process's
+  autograd would do with the one shared tensor).
+- A user's ``nn.Sequential`` (:class:`SequentialUnits`): its children, in order. Parameters shared by
+  children of different stages (tied weights) are refused: each stage owns its own tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -18,25 +25,112 @@ from torch import Tensor, nn
 
 from cpn.runtime.model import TransformerLM
 
-__all__ = ["Stage", "StageCut", "cut_model", "partition", "unit_names", "unit_sizes"]
+__all__ = ["LMUnits", "SequentialUnits", "Stage", "StageCut", "Units", "cut_model", "cut_units", "partition",
+           "unit_names", "unit_sizes", "units_of"]
 
 
-def unit_names(model: TransformerLM) -> list[str]:
-    return ["embed", *(f"block{i}" for i in range(len(model.blocks))), "head"]
+class Units:
+    """A model seen as a chain of units: their names, parameters and the forward pass through a run."""
+
+    tied: nn.Parameter | None = None  # a tensor the first and the last unit share (the LM's token table)
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def params(self, unit: int) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+    def forward(self, start: int, end: int, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def sizes(self) -> list[int]:
+        """Parameters each unit holds (the LM's head counts its copy of the tied token table)."""
+        return [sum(p.numel() for p in self.params(u)) for u in range(len(self))]
+
+    def weights(self) -> list[int]:
+        """What the automatic cut balances: the parameters (the planner prices the same cut)."""
+        return self.sizes()
 
 
-def _unit_params(model: TransformerLM, unit: int) -> list[nn.Parameter]:
-    last = len(model.blocks) + 1
-    if unit == 0:
-        return [model.tok.weight, model.pos.weight]
-    if unit == last:
-        return [*model.ln_f.parameters(), model.tok.weight]
-    return list(model.blocks[unit - 1].parameters())
+class LMUnits(Units):
+    model: TransformerLM
+
+    @property
+    def tied(self) -> nn.Parameter:  # type: ignore[override]
+        return self.model.tok.weight
+
+    def names(self) -> list[str]:
+        return ["embed", *(f"block{i}" for i in range(len(self.model.blocks))), "head"]
+
+    def params(self, unit: int) -> list[nn.Parameter]:
+        model = self.model
+        last = len(model.blocks) + 1
+        if unit == 0:
+            return [model.tok.weight, model.pos.weight]
+        if unit == last:
+            return [*model.ln_f.parameters(), model.tok.weight]
+        return list(model.blocks[unit - 1].parameters())
+
+    def forward(self, start: int, end: int, x: Tensor) -> Tensor:
+        model, n = self.model, len(self.model.blocks)
+        if start == 0:
+            x = model.tok(x) + model.pos(torch.arange(x.shape[1], device=x.device))
+        for u in range(max(start, 1), min(end, n + 1)):
+            x = model.blocks[u - 1](x)
+        if end == n + 2:
+            x = model.ln_f(x) @ model.tok.weight.T
+        return x
 
 
-def unit_sizes(model: TransformerLM) -> list[int]:
-    """Parameters each unit holds (the head counts its copy of the tied token table)."""
-    return [sum(p.numel() for p in _unit_params(model, u)) for u in range(len(model.blocks) + 2)]
+class SequentialUnits(Units):
+    model: nn.Sequential
+
+    def __init__(self, model: nn.Sequential):
+        super().__init__(model)
+        self.children = list(model.children())
+
+    def names(self) -> list[str]:
+        return [f"{name}:{type(child).__name__}" for name, child in self.model.named_children()]
+
+    def params(self, unit: int) -> list[nn.Parameter]:
+        return list(self.children[unit].parameters())
+
+    def weights(self) -> list[int]:
+        """Parameters plus one: a run of parameter-free children (activations, pooling) still counts."""
+        return [s + 1 for s in self.sizes()]
+
+    def forward(self, start: int, end: int, x: Tensor) -> Tensor:
+        for child in self.children[start:end]:
+            x = child(x)
+        return x
+
+
+def units_of(model: nn.Module) -> Units:
+    """The units of a model the pipeline can cut; a ValueError that says what to do for any other."""
+    if isinstance(model, TransformerLM):
+        return LMUnits(model)
+    if isinstance(model, nn.Sequential):
+        if len(model) < 1:
+            raise ValueError("the pipeline cuts an nn.Sequential's children into stages: this one is empty")
+        return SequentialUnits(model)
+    raise ValueError(f"the pipeline strategy cuts an nn.Sequential (its children, in order, are the units cut into "
+                     f"stages) or CPN's built-in LM, not a {type(model).__name__}: wrap your layers in nn.Sequential, "
+                     "or use a data-parallel strategy")
+
+
+def unit_names(model: nn.Module) -> list[str]:
+    return units_of(model).names()
+
+
+def unit_sizes(model: nn.Module) -> list[int]:
+    """Parameters each unit holds (the LM's head counts its copy of the tied token table)."""
+    return units_of(model).sizes()
 
 
 def partition(sizes: list[int], parts: int) -> list[tuple[int, int]]:
@@ -81,27 +175,58 @@ class StageCut:
         return self.index == self.count - 1
 
 
-def cut_model(model: TransformerLM, stages: int) -> list[StageCut]:
-    return [StageCut(i, stages, a, b) for i, (a, b) in enumerate(partition(unit_sizes(model), stages))]
+def cut_units(units: Units, stages: int, cuts: Sequence[int] | None = None) -> list[StageCut]:
+    """``stages`` contiguous runs of ``units``: by parameter count, or starting at the unit indices
+    ``cuts`` (the first unit of every stage after the first, increasing)."""
+    n = len(units)
+    if cuts is None:
+        runs = partition(units.weights(), stages)
+    else:
+        starts = [0, *cuts]
+        if len(starts) != stages or any(not 0 < c < n for c in cuts) or any(a >= b for a, b in pairwise(starts)):
+            raise ValueError(f"stages={list(cuts)} must be {stages - 1} increasing unit indices between 1 and {n - 1} "
+                             f"(the first unit of each stage after the first) for {stages} stages of {n} units")
+        runs = list(zip(starts, [*cuts, n], strict=True))
+    out = [StageCut(i, stages, a, b) for i, (a, b) in enumerate(runs)]
+    _refuse_shared(units, out)
+    return out
+
+
+def _refuse_shared(units: Units, cuts: list[StageCut]) -> None:
+    """A parameter held by units of two stages (other than the LM's tied table, which the pipeline keeps
+    equal) cannot be cut apart."""
+    owner: dict[int, int] = {}
+    names = units.names()
+    for cut in cuts:
+        for u in range(cut.start, cut.end):
+            for p in units.params(u):
+                if p is units.tied:
+                    continue
+                first = owner.setdefault(id(p), u)
+                if first < cut.start:
+                    raise ValueError(f"units {names[first]!r} and {names[u]!r} share a parameter (tied weights) but "
+                                     f"fall in different stages: cut elsewhere (stages=) or untie them")
+
+
+def cut_model(model: nn.Module, stages: int, cuts: Sequence[int] | None = None) -> list[StageCut]:
+    return cut_units(units_of(model), stages, cuts)
 
 
 class Stage(nn.Module):
     """One stage's slice of the model; its parameters are the full model's own tensors (shared)."""
 
-    def __init__(self, model: TransformerLM, cut: StageCut):
+    def __init__(self, model: nn.Module | Units, cut: StageCut):
         super().__init__()
         self.cut = cut
-        self.full = [model]  # a list: not registered as a submodule (the stage owns only its slice)
-        n = len(model.blocks)
-        self.blocks = [model.blocks[u - 1] for u in range(max(cut.start, 1), min(cut.end, n + 1))]
-        self.has_embed = cut.start == 0
-        self.has_head = cut.end == n + 2
+        self.units = model if isinstance(model, Units) else units_of(model)  # not a submodule: owns only its slice
+        self.has_embed = cut.start == 0  # the first stage: takes the inputs
+        self.has_head = cut.end == len(self.units)  # the last: gives the outputs the loss reads
 
     def params(self) -> list[nn.Parameter]:
         """This stage's parameters, each once, in the model's order."""
-        model, seen, out = self.full[0], set(), []
+        seen, out = set(), []
         for u in range(self.cut.start, self.cut.end):
-            for p in _unit_params(model, u):
+            for p in self.units.params(u):
                 if id(p) not in seen:
                     seen.add(id(p))
                     out.append(p)
@@ -109,24 +234,16 @@ class Stage(nn.Module):
 
     def owned_params(self) -> list[nn.Parameter]:
         """:meth:`params` without a copy of the tied token table that the first stage also holds."""
-        tok = self.full[0].tok.weight
-        return [p for p in self.params() if p is not tok or self.has_embed]
+        tied = self.units.tied
+        return [p for p in self.params() if p is not tied or self.has_embed]
 
     @property
     def ties_embedding(self) -> bool:
         """Holds one of two copies of the tied token table (first and last stage differ)."""
-        return self.has_embed != self.has_head
+        return self.units.tied is not None and self.has_embed != self.has_head
 
     def forward(self, x: Tensor) -> Tensor:
-        model = self.full[0]
-        if self.has_embed:
-            t = x.shape[1]
-            x = model.tok(x) + model.pos(torch.arange(t, device=x.device))
-        for block in self.blocks:
-            x = block(x)
-        if self.has_head:
-            x = model.ln_f(x) @ model.tok.weight.T
-        return x
+        return self.units.forward(self.cut.start, self.cut.end, x)
 
     @staticmethod
     def loss(logits: Tensor, y: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -111,7 +111,8 @@ class Job:
         """This worker's contiguous part of any sized dataset (a list of files, a torch ``Dataset``,
         an array …): ranks take consecutive, disjoint slices that together cover it."""
         n = len(dataset)
-        lo, hi = self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size
+        index, count = self._feeder()
+        lo, hi = index * n // count, (index + 1) * n // count
         if hi <= lo:
             raise ValueError(f"a dataset of {n} items leaves rank {self.rank} of {self.world_size} without any: "
                              "use a larger dataset or fewer workers")
@@ -124,8 +125,21 @@ class Job:
         except TypeError:
             return _Slice(dataset, lo, hi)
 
+    def _feeder(self) -> tuple[int, int]:
+        """Which of how many data shards this rank reads: its rank of the world, or under the pipeline
+        its place among the first stage's ranks (D replicas × W per site), which alone read data; a
+        later stage's rank gets the same shard as its first-stage peer (and need not read it)."""
+        if self._cfg.strategy.name != "pipeline":
+            return self.rank, self.world_size
+        topo = self._groups.topology
+        stages, replicas = self._cfg.strategy.pipeline_shape(topo.num_sites)
+        width = topo.workers_per_site
+        return (self.site // stages) * width + self.local_rank, replicas * width
+
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-             lr_schedule: bool | None = None, broadcast: bool = True) -> Trainer:
+             lr_schedule: bool | None = None, broadcast: bool = True,
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             stages: Sequence[int] | None = None) -> Trainer:
         """Apply the job's strategy to ``model`` (moved to :attr:`device`) and ``optimizer``.
 
         Every rank starts from rank 0's parameters (as torch DDP does; ``broadcast=False`` skips that
@@ -133,11 +147,19 @@ class Job:
         runtime's (AdamW at ``spec`` lr); ``lr_schedule`` (default: only then) drives the
         optimiser's learning rate along CPN's warm-up + cosine schedule. The parameter-server strategies
         (``async_ps``, ``ps_sync``, ``ps_backup``) keep their own optimiser at the servers (AdamW at
-        ``spec`` lr): there ``optimizer`` is not used."""
+        ``spec`` lr): there ``optimizer`` is not used.
+
+        Under the ``pipeline`` strategy ``model`` is an ``nn.Sequential`` whose children are cut into
+        the job's stages, one per site (by parameter count, or starting at the child indices
+        ``stages``: e.g. ``[4]`` puts children 0-3 in stage 0 and the rest in stage 1); every rank
+        builds the whole model and trains its stage. ``loss_fn(outputs, targets)`` (a mean over the
+        rows) is computed at the last stage; the loop passes each step's rows with
+        ``trainer.step(inputs=x, targets=y)`` on the ranks where :attr:`Trainer.feeds` is true."""
         if self._trainer is not None:
             raise RuntimeError("job.wrap() was called already: one model per job")
         self._trainer = Trainer(self, model, optimizer, broadcast=broadcast,
-                                lr_schedule=optimizer is None if lr_schedule is None else lr_schedule)
+                                lr_schedule=optimizer is None if lr_schedule is None else lr_schedule,
+                                loss_fn=loss_fn, stages=list(stages) if stages is not None else None)
         return self._trainer
 
     def close(self) -> dict[str, Any] | None:
@@ -174,7 +196,8 @@ class Trainer:
     """Runs the job's strategy around the user's model and optimiser. Made by :meth:`Job.wrap`."""
 
     def __init__(self, job: Job, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, lr_schedule: bool,
-                 broadcast: bool = True):
+                 broadcast: bool = True, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 stages: list[int] | None = None):
         cfg, groups = job._cfg, job._groups
         model.to(job.device)
         if broadcast and not cfg.resume:
@@ -183,7 +206,7 @@ class Trainer:
         self.job, self.model = job, model
         self.ctx = Context(cfg=cfg, groups=groups, store=dist.distributed_c10d._get_default_store(), model=model,
                            sampler=None, micro_batch=shares[groups.rank], shares=shares,  # type: ignore[arg-type]
-                           checkpoint_dir=job.checkpoint_dir, bound_at=job._bound_at)
+                           checkpoint_dir=job.checkpoint_dir, bound_at=job._bound_at, loss_fn=loss_fn, cuts=stages)
         self.strategy: Strategy = build_strategy(self.ctx)
         if optimizer is not None and self.strategy.name not in PS_STRATEGIES:
             self.strategy.opt = optimizer  # the strategy syncs; the user's optimiser steps
@@ -239,17 +262,29 @@ class Trainer:
         model is cut into stages at different sites): call :meth:`step` without a loss."""
         return self.strategy.owns_forward_backward
 
-    def step(self, loss: torch.Tensor | None = None, tokens: int = 0) -> None:
+    @property
+    def feeds(self) -> bool:
+        """Whether this rank's loop must pass data to :meth:`step`: every rank, except under a pipeline
+        of the user's model, where only the first stage's ranks do (``inputs=``, ``targets=``)."""
+        return not self.pipelined or self.strategy.takes_inputs
+
+    def step(self, loss: torch.Tensor | None = None, tokens: int = 0, *, inputs: torch.Tensor | None = None,
+             targets: torch.Tensor | None = None) -> None:
         """Backward, the strategy's synchronisation, the optimiser step; count ``tokens`` units.
 
-        ``loss=None``: this rank has no units in the step (or the strategy is :attr:`pipelined`)."""
+        ``loss=None``: this rank has no units in the step (or the strategy is :attr:`pipelined`).
+        A pipeline of the user's model takes the step's rows instead of a loss: ``inputs`` (fed to the
+        first stage) and ``targets`` (for ``loss_fn`` at the last), on the ranks that :attr:`feeds`
+        (others may pass them too: they are not used)."""
         if self._done:
             raise RuntimeError(f"the job's budget is spent ({self._step} steps): stop when trainer.done")
         ctx = self.ctx
         if self.pipelined:
             if loss is not None:
                 raise ValueError("the pipeline strategy runs the forward and backward passes itself: "
-                                 "call trainer.step() without a loss")
+                                 "call trainer.step() without a loss (a model of yours: inputs=..., targets=...)")
+            if self.strategy.takes_inputs:
+                self.strategy.feed = (inputs, targets)
             value = self.strategy.forward_backward(self._step)
         elif loss is not None:
             loss.backward()
@@ -274,6 +309,12 @@ class Trainer:
         else:
             self._begin_step()
         self._since = time.perf_counter()
+
+    def gather(self) -> None:
+        """Under the pipeline, bring every stage's current parameters to rank 0, whose model is then the
+        whole trained model (call it on every rank, e.g. before rank 0 evaluates; the run's end and the
+        final weights do it themselves). Other strategies hold the whole model on every rank: no-op."""
+        self.strategy.gather(self._step)
 
     @contextmanager
     def evaluating(self) -> Iterator[None]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +58,8 @@ class Context:
     step_share: list[int] | None = None  # tokens per rank of a trimmed step (None: ``shares`` × seq_len)
     busy_seconds: float = 0.0  # forward + backward (and any injected slow-down): what sets a rank's speed
     sequences_done: int = 0
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None  # the pipeline's last stage, for a user's model
+    cuts: list[int] | None = None  # the pipeline: where a user's model is cut (None: by parameter count)
 
     @property
     def device(self) -> torch.device:
@@ -250,6 +253,7 @@ class Strategy:
     global_budget: ClassVar[bool] = False
     balanced: ClassVar[bool] = False  # may give ranks shares of the batch by measured speed (strategy.balance)
     owns_forward_backward: ClassVar[bool] = False  # the loop calls :meth:`forward_backward` instead of its own
+    takes_inputs: bool = False  # owns the passes and takes the user's rows (trainer.step(inputs=, targets=))
 
     @classmethod
     def check(cls, cfg: TrainConfig, topology: Topology) -> None:
@@ -288,6 +292,9 @@ class Strategy:
         (``owns_forward_backward``: the pipeline's micro-batches); the loss, or None without tokens.
         The loop books the call's time as compute; a strategy that waits inside moves that to ``wait``."""
         raise NotImplementedError(f"{self.name} does not own the forward/backward pass")
+
+    def gather(self, step: int) -> None:
+        """Bring the whole model to rank 0 (the pipeline; every other strategy holds it whole already)."""
 
     def after_backward(self, step: int) -> None:
         site_sync_grads(self.ctx)

@@ -29,6 +29,14 @@ replica 0's model. H unset: :func:`cpn.runtime.autotune.replica_inner_steps`, th
 keeps the averaging within 10 % of the bytes the cuts move. Losing a site stops the whole job (its
 collectives fail); the orchestrator re-places it from the last checkpoint as for any synchronous job.
 
+A user's ``nn.Sequential`` (``spec.code``, through :meth:`cpn.train.Job.wrap` with ``loss_fn``) is cut
+the same way, its children being the units (:mod:`cpn.runtime.stages`). Its data come from the user's
+loop: stage 0's ranks pass each step's ``inputs`` and ``targets`` to ``trainer.step``; stage 0 tells
+every later stage of its chain how many micro-batches the step has and sends the targets to the last
+stage, which computes the user's ``loss_fn`` (a mean over the micro-batch's rows, weighted by its rows).
+Shapes and dtypes are not known in advance, so each activation goes with a small header (dtype and
+shape) on its own tag; floating-point tensors cross as float32 (or the codec), others as their bytes.
+
 The training loop evaluates on rank 0 with the whole model, so before each validation (and at the
 end) every later stage's site leader of replica 0 sends its stage's parameters to rank 0: counted
 as WAN bytes (``wan_eval_bytes``), not part of the training traffic.
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -51,14 +60,18 @@ from cpn.runtime.collectives import site_allreduce, wan_allreduce
 from cpn.runtime.config import TrainConfig, trim_shares
 from cpn.runtime.data import ShardSampler, load_corpus, split_corpus
 from cpn.runtime.device import HOST, autocast
-from cpn.runtime.stages import Stage, cut_model, unit_names
+from cpn.runtime.stages import LMUnits, Stage, cut_units, units_of
 from cpn.runtime.strategies.base import Context, Strategy, make_optimizer, site_broadcast, weigh
 from cpn.runtime.topology import Topology
 
 __all__ = ["Pipeline", "ideal_bubble"]
 
-TIED_TAG, TARGET_TAG, GATHER_TAG = 1, 2, 3
+TIED_TAG, TARGET_TAG, GATHER_TAG, STEP_TAG = 1, 2, 3, 4
 MICRO_TAG = 16  # micro-batch i's activations go with tag MICRO_TAG + 2i, their gradients with MICRO_TAG + 2i + 1
+HEADER_TAG = 1 << 20  # a user model's activation i: its header (dtype, shape) with tag HEADER_TAG + i
+MAX_DIMS = 8  # dimensions a header can describe
+WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+               torch.int8, torch.uint8, torch.bool)
 STATS_KEY = "cpn/pipeline"
 REPLICA_TIMEOUT_SECONDS = 1800.0  # how long a stage's leader waits for the other replicas' copies
 
@@ -92,7 +105,7 @@ class Pipeline(Strategy):
     owns_forward_backward: ClassVar[bool] = True
 
     @classmethod
-    def check(cls, cfg: TrainConfig, topology: Topology) -> None:
+    def check(cls, cfg: TrainConfig, topology: Topology, *, builtin_model: bool = True) -> None:
         from cpn.runtime.presets import PRESETS
 
         sites, (stages, _) = topology.num_sites, cfg.strategy.pipeline_shape(topology.num_sites)
@@ -103,7 +116,7 @@ class Pipeline(Strategy):
             raise ValueError(f"pipeline needs the same number of workers at every site, got "
                              f"{[s.ranks for s in topology.sites]}: even out the sites")
         units = PRESETS[cfg.model].n_layers + 2
-        if stages > units:
+        if builtin_model and stages > units:  # a user's model is checked when it is wrapped
             raise ValueError(f"model {cfg.model!r} has {units} units (embedding, {units - 2} blocks, head), too few "
                              f"for {stages} stages: use a deeper model or fewer sites")
 
@@ -115,14 +128,26 @@ class Pipeline(Strategy):
         self.W, self.local = topo.workers_per_site, ctx.groups.local_rank
         self.replica = ctx.site // self.P
         self.H = self.cfg.strategy.inner_steps or 1
-        self.cuts = cut_model(self.model, self.P)
-        self.stage = Stage(self.model, self.cuts[self.s])
+        self.units = units_of(self.model)
+        self.builtin = isinstance(self.units, LMUnits)
+        if len(self.units) < self.P:
+            raise ValueError(f"the model has {len(self.units)} units ({', '.join(self.units.names())}), too few for "
+                             f"{self.P} stages: use fewer stages (strategy.stages) or split the model further")
+        self.cuts = cut_units(self.units, self.P, ctx.cuts)
+        self.stage = Stage(self.units, self.cuts[self.s])
         self.params = self.stage.params()
         self.opt = make_optimizer(self.cfg, self.params)
         self.codec = get_codec(self.cfg.strategy.compression)
-        self.d_model = self.model.cfg.d_model
         self.stats = PipeStats()
-        if self.stage.has_embed:  # the stage's ranks split the whole corpus (the worker's own sampler has 1/world)
+        self.d_model = self.model.cfg.d_model if self.builtin else 0
+        self.my_rows = 0
+        self.loss_fn: Callable[[Tensor, Tensor], Tensor] | None = ctx.loss_fn
+        if not self.builtin and self.loss_fn is None:
+            raise ValueError("the pipeline computes the loss at the last stage: pass loss_fn to job.wrap "
+                             "(e.g. loss_fn=nn.CrossEntropyLoss())")
+        self.feed: tuple[Tensor | None, Tensor | None] = (None, None)
+        self.takes_inputs = not self.builtin and self.stage.has_embed
+        if self.stage.has_embed and self.builtin:  # the stage's ranks split the whole corpus (the worker's own sampler has 1/world)
             train = split_corpus(load_corpus(self.cfg.corpus_bytes)).train
             self.sampler = ShardSampler(train, shard=self.replica * self.W + self.local, num_shards=self.D * self.W,
                                         seq_len=self.cfg.seq_len, seed=self.cfg.seed)
@@ -170,13 +195,19 @@ class Pipeline(Strategy):
         ctx.step_share = share
 
     def forward_backward(self, step: int) -> float | None:
-        micro = micro_sizes(self.my_tokens, self.cfg.seq_len, self.cfg.strategy.micro_batches)
-        if not micro:
-            return None
         t0 = time.perf_counter()
         self._idle = 0.0
         self._sends: list[tuple[Any, Tensor]] = []
-        xs, ys = self._inputs(step, micro)
+        if self.builtin:
+            micro = micro_sizes(self.my_tokens, self.cfg.seq_len, self.cfg.strategy.micro_batches)
+            if not micro:
+                return None
+            xs, ys = self._inputs(step, micro)
+        else:
+            xs, ys, micro = self._user_inputs()
+            if not micro:
+                self._wait_sends()
+                return None
         held: dict[int, tuple[Tensor, Tensor]] = {}
         losses: list[float] = []
         m, warm = len(micro), min(self.P - 1 - self.s, len(micro))
@@ -215,12 +246,56 @@ class Pipeline(Strategy):
             y = wire.long().to(self.ctx.device)
         return xs, (_split(y, micro) if self.stage.has_head and y is not None else [])
 
+    def _user_inputs(self) -> tuple[list[Tensor], list[Tensor], list[tuple[int, int]]]:
+        """A user model's step: stage 0 cuts the fed rows into micro-batches and tells every later stage of
+        its chain how many (and the last stage the targets' dtype and shape, then the targets)."""
+        header = torch.zeros(3 + MAX_DIMS, dtype=torch.int64)
+        xs: list[Tensor] = []
+        y: Tensor | None = None
+        if self.stage.has_embed:
+            x, y = self.feed
+            self.feed = (None, None)
+            rows = 0 if x is None else int(x.shape[0])
+            if rows and (y is None or int(y.shape[0]) != rows):
+                raise ValueError(f"trainer.step(inputs=..., targets=...): {rows} rows of inputs need as many rows of "
+                                 f"targets, got {None if y is None else tuple(y.shape)}")
+            m = min(self.cfg.strategy.micro_batches, rows)
+            xs = list(torch.tensor_split(x.to(self.ctx.device), m)) if m else []
+            header[0] = m
+            if m:
+                _describe(header[1:], y)
+            for stage in range(1, self.P):
+                self._send(header.clone(), self._peer(stage), STEP_TAG, "activation")
+            if m and self.P > 1:
+                self._send(_bytes_of(y), self._peer(self.P - 1), TARGET_TAG, "activation")
+        else:
+            self._recv(header, self._peer(0), STEP_TAG)
+            m = int(header[0])
+            if m and self.stage.has_head:
+                y = self._recv_described(header[1:], self._peer(0), TARGET_TAG)
+        ys = list(torch.tensor_split(y.to(self.ctx.device), m)) if m and self.stage.has_head and y is not None else []
+        rows = int(y.shape[0]) if y is not None and m else 0
+        self.my_rows = rows
+        micro = [(int(t.shape[0]), 1) for t in ys] if ys else [(0, 1)] * m
+        return xs, ys, micro
+
+    def _recv_described(self, header: Tensor, src: int, tag: int) -> Tensor:
+        dtype, shape = _described(header)
+        n = 1
+        for k in shape:
+            n *= k
+        wire = torch.empty(n * _itemsize(dtype), dtype=torch.uint8, device=HOST)
+        self._recv(wire, src, tag)
+        return wire.view(dtype).view(shape)
+
     @property
     def target_dtype(self) -> torch.dtype:
         return torch.uint8 if self.model.cfg.vocab_size <= 256 else torch.int32
 
     def _forward(self, i: int, shape: tuple[int, int], xs: list[Tensor], ys: list[Tensor],
                  losses: list[float]) -> tuple[Tensor, Tensor]:
+        if not self.builtin:
+            return self._user_forward(i, xs, ys, losses)
         if self.stage.has_embed:
             inp = xs[i]
         else:
@@ -236,14 +311,48 @@ class Pipeline(Strategy):
             self._send_tensor(out.detach(), self._peer(self.s + 1), MICRO_TAG + 2 * i, "activation")
         return inp, out
 
+    def _user_forward(self, i: int, xs: list[Tensor], ys: list[Tensor], losses: list[float]) -> tuple[Tensor, Tensor]:
+        if self.stage.has_embed:
+            inp = xs[i]
+        else:
+            header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
+            self._recv(header, self._peer(self.s - 1), HEADER_TAG + i)
+            inp = self._recv_activation(header, self._peer(self.s - 1), MICRO_TAG + 2 * i)
+            if inp.is_floating_point():
+                inp.requires_grad_(True)
+        with autocast(self.ctx.device, self.cfg.device.precision):
+            out = self.stage(inp)
+            if self.stage.has_head:
+                out = self.loss_fn(out, ys[i]) * (ys[i].shape[0] / self.my_rows)  # type: ignore[misc]
+        if self.stage.has_head:
+            losses.append(out.item())
+        else:
+            header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
+            _describe(header, out)
+            self._send(header, self._peer(self.s + 1), HEADER_TAG + i, "activation")
+            if out.is_floating_point():
+                self._send_tensor(out.detach(), self._peer(self.s + 1), MICRO_TAG + 2 * i, "activation")
+            else:
+                self._send(_bytes_of(out), self._peer(self.s + 1), MICRO_TAG + 2 * i, "activation")
+        return inp, out
+
+    def _recv_activation(self, header: Tensor, src: int, tag: int) -> Tensor:
+        dtype, shape = _described(header)
+        if dtype.is_floating_point:
+            return self._recv_tensor(shape, src, tag).to(dtype)
+        return self._recv_described(header, src, tag).to(self.ctx.device)
+
     def _backward(self, i: int, shape: tuple[int, int], inp: Tensor, out: Tensor) -> None:
+        if not out.requires_grad:  # an integer output (or one that needs no gradient): nothing flows back
+            return
         if self.stage.has_head:
             out.backward()
         else:
             grad = self._recv_tensor(tuple(out.shape), self._peer(self.s + 1), MICRO_TAG + 2 * i + 1)
             torch.autograd.backward(out, grad_tensors=grad.to(out.dtype))
-        if not self.stage.has_embed:
-            self._send_tensor(inp.grad, self._peer(self.s - 1), MICRO_TAG + 2 * i + 1, "gradient")
+        if not self.stage.has_embed and inp.requires_grad:
+            grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            self._send_tensor(grad, self._peer(self.s - 1), MICRO_TAG + 2 * i + 1, "gradient")
 
     # ------------------------------------------------------------------ the wire
     def _padded(self, n: int) -> int:
@@ -352,6 +461,9 @@ class Pipeline(Strategy):
             self._wait_sends()
         grad.add_(incoming.view_as(grad).to(grad.device, grad.dtype))
 
+    def gather(self, step: int) -> None:
+        self._gather(step)
+
     def _gather(self, step: int) -> None:
         """Every later stage's parameters to rank 0, whose whole model the loop evaluates."""
         if step == self._gathered or self.P == 1:
@@ -364,7 +476,7 @@ class Pipeline(Strategy):
         with ctx.timers.timed("comm"):
             if ctx.rank == 0:
                 for cut in self.cuts[1:]:
-                    owned = Stage(self.model, cut).owned_params()
+                    owned = Stage(self.units, cut).owned_params()
                     flat = torch.empty(sum(p.numel() for p in owned), device=HOST)
                     self._recv(flat, self._peer_leader(cut.index), GATHER_TAG)
                     _load(owned, flat)
@@ -395,7 +507,7 @@ class Pipeline(Strategy):
         ranks = range(self.ctx.groups.world_size)
         records = [json.loads(self.ctx.store.get(f"{STATS_KEY}/{r}")) for r in ranks]
         schedule = sum(r["schedule"] for r in records)
-        names = unit_names(self.model)
+        names = self.units.names()
         m = min(self.cfg.strategy.micro_batches, max(1, self.cfg.shares(self.D * self.W)[-1]))
         return {
             "bubble_fraction": round(sum(r["idle"] for r in records) / schedule, 4) if schedule else None,
@@ -409,6 +521,32 @@ class Pipeline(Strategy):
             "inner_steps": self.H if self.D > 1 else None,
             "wan_replica_bytes": sum(r["replica"] for r in records),
         }
+
+
+def _describe(header: Tensor, t: Tensor) -> None:
+    """``header`` (int64) = [dtype code, ndim, dims …] of ``t``."""
+    if t.dtype not in WIRE_DTYPES or t.dim() > MAX_DIMS:
+        raise ValueError(f"the pipeline sends tensors of up to {MAX_DIMS} dimensions of "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in WIRE_DTYPES)} between stages, "
+                         f"not {t.dtype} of shape {tuple(t.shape)}")
+    header[0], header[1] = WIRE_DTYPES.index(t.dtype), t.dim()
+    for k, size in enumerate(t.shape):
+        header[2 + k] = size
+
+
+def _described(header: Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    ndim = int(header[1])
+    return WIRE_DTYPES[int(header[0])], tuple(int(v) for v in header[2 : 2 + ndim])
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _bytes_of(t: Tensor) -> Tensor:
+    """A tensor's bytes on the host (what crosses for integer tensors and targets)."""
+    flat = t.detach().reshape(-1).cpu().contiguous()
+    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
 
 
 def _split(t: Tensor, micro: list[tuple[int, int]]) -> list[Tensor]:
