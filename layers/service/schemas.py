@@ -38,8 +38,12 @@ class ModelSpec(CamelModel):
 
     preset: str | None = Field(default=None, json_schema_extra={"enum": [*MODEL_PRESETS, None]})
     parameters: int | None = Field(default=None, gt=0)
-    layers: int | None = Field(default=None, gt=0)
-    hidden: int | None = Field(default=None, gt=0)
+    layers: int | None = Field(default=None, gt=0, description=(
+        "A transformer's blocks; with spec.code and the pipeline strategy, the nn.Sequential's children (the "
+        "units it is cut between)"))
+    hidden: int | None = Field(default=None, gt=0, description=(
+        "A transformer's width; with spec.code and the pipeline strategy, the width of the activation a cut "
+        "carries (hidden x seqLen values per unit)"))
     seq_len: int | None = Field(default=None, gt=0)
     flops_per_unit: float | None = Field(default=None, gt=0, le=1e18, description=(
         "FLOPs one unit (token, sample …) costs in training, forward and backward; default 6 × parameters"))
@@ -123,7 +127,7 @@ class ParallelismSpec(CamelModel):
     data_replicas: int = Field(default=1, ge=1, le=64, description=(
         "Replicas of the whole pipeline, each on its own sites (dataReplicas x stages sites), each training "
         "1/dataReplicas of every step's sequences; a stage's replicas average every innerSteps steps "
-        "(strategy pipeline or auto, CPN's built-in models)"))
+        "(strategy pipeline or auto; with spec.code, spec.model.layers and hidden describe the cut)"))
 
 
 class CodeSpec(CamelModel):
@@ -198,7 +202,7 @@ class TrainingJobSpec(CamelModel):
     @classmethod
     def _stages(cls, data: Any) -> Any:
         """pipelineStages cuts the model and dataReplicas copies the cut pipeline: only with strategy pipeline
-        (or auto, which they then mean), and dataReplicas only on CPN's built-in models."""
+        (or auto, which they then mean)."""
         if not isinstance(data, dict) or not isinstance(data.get("parallelism"), dict):
             return data
         stages, strategy = data["parallelism"].get("pipelineStages"), data.get("strategy", "auto")
@@ -212,10 +216,37 @@ class TrainingJobSpec(CamelModel):
                 f"{replicas} replicas of a pipeline with strategy {strategy!r}: dataReplicas copies the pipeline "
                 "strategy's stages; set strategy to pipeline (or auto), or drop dataReplicas (a data-parallel "
                 "strategy already uses every GPU as a replica)"))
-        if isinstance(replicas, int) and replicas > 1 and data.get("code") is not None:
-            raise _error_at(("parallelism", "dataReplicas"), "replicas_code", data, (
-                f"{replicas} replicas of a pipeline with spec.code: the pipeline cuts CPN's built-in models only; "
-                "drop dataReplicas (your code runs data parallel on every GPU)"))
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _code_stages(cls, data: Any) -> Any:
+        """A pipeline of your own code (strategy pipeline, pipelineStages, dataReplicas > 1) cuts its
+        nn.Sequential between children: spec.model.layers counts them (at least the stages asked, and
+        2), spec.model.hidden is what one unit sends across a cut."""
+        if not isinstance(data, dict) or data.get("code") is None or not isinstance(data.get("model"), dict):
+            return data
+        model, parallelism = data["model"], data.get("parallelism")
+        parallelism = parallelism if isinstance(parallelism, dict) else {}
+        stages, replicas = parallelism.get("pipelineStages"), parallelism.get("dataReplicas")
+        stages = stages if _is_int(stages) else None
+        if model.get("parameters") is None or not (data.get("strategy") == "pipeline" or stages is not None
+                                                   or _is_int(replicas) and replicas > 1):
+            return data
+        least, layers = max(2, stages or 2), model.get("layers")
+        cut = ("the pipeline cuts your code's nn.Sequential between its children (stage 0 feeds the inputs, "
+               "the last stage computes the loss)")
+        if layers is None or _is_int(layers) and layers < least:
+            given, do = ("is missing", "add") if layers is None else (f"is {layers}", "set")
+            raise _error_at(("model", "layers"), "code_layers", data, (
+                f"{given}: {cut}, so CPN needs their number to cut and price it: {do} spec.model.layers to the "
+                f"number of the Sequential's children (len(model)), at least {least}"
+                + (f" for {stages} pipeline stages" if stages else "") + ", and spec.model.hidden"))
+        if model.get("hidden") is None:
+            raise _error_at(("model", "hidden"), "code_hidden", data, (
+                f"is missing: {cut}, and its activations cross the WAN at every cut: add spec.model.hidden, the "
+                "width of the activation a cut carries (CPN prices hidden x seqLen x 4 bytes per unit of the batch "
+                "each way; spec.model.seqLen defaults to 1, set it for a sequence model)"))
         return data
 
     @model_validator(mode="before")
@@ -272,6 +303,10 @@ class TrainingJobSpec(CamelModel):
         if v is not None:
             deadline_seconds(v, datetime.now(UTC))
         return v
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _count(value: Any, default: int) -> int:

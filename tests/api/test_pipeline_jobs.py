@@ -2,9 +2,12 @@
 (`placement[].stage`, strategy pipeline), accepted, and the attempt's topology in stage order;
 `spec.parallelism` forces the stage count; dataReplicas D > 1 is quoted as D disjoint chains of sites
 (lines with `stage` and `replica`, the attempt's sites replica-major and `strategy.stages` P), and a D
-the sites cannot hold is refused naming its field."""
+the sites cannot hold is refused naming its field. A user's nn.Sequential (spec.code) is cut and priced
+by its own shape (spec.model.parameters, layers, hidden), or refused naming spec.model.layers."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -15,6 +18,7 @@ from layers.orchestration.planning.types import JobRequirements, ModelShape
 from layers.resource.capacity import LinkView
 from layers.service.models import JobRow, QuoteRow
 from layers.service.schemas import MODEL_PRESETS, TrainingJobSpec
+from tests.api.test_bundles import hex_of, put, user_code
 from tests.api.test_jobs import quotes, submit
 from tests.api.test_resource import cluster, link, site
 
@@ -218,3 +222,107 @@ async def test_a_lost_site_re_places_all_replicas_or_fails_naming_why(api, db) -
     assert err.value.field is None, err.value  # the lost sites' fault, no field of the spec's
     assert "holds 2 pipeline stages of each of 2 replicas" in err.value.message, err.value.message
     assert "4 sites), and only 3 live site(s) remain" in err.value.message, err.value.message
+
+
+# a user's nn.Sequential: 6 children, a cut carries 256 values at each of 16 positions per unit
+CODE_MODEL = {"parameters": 2_000_000, "layers": 6, "hidden": 256, "seqLen": 16}
+
+
+async def _bundle(api, tmp_path: Path) -> dict:  # type: ignore[no-untyped-def]
+    data = user_code(tmp_path)
+    assert (await put(api, data)).status == 201
+    return {"entrypoint": "train:main", "digest": f"sha256:{hex_of(data)}"}
+
+
+def _code_job(name: str, code: dict, model: dict | None = None, **spec) -> dict:  # type: ignore[no-untyped-def]
+    return _job(name, code=code, model=model or CODE_MODEL, **spec)
+
+
+async def _stored(db, name: str) -> list[tuple[int, dict]]:  # type: ignore[no-untyped-def]
+    """(stages, prediction) of the job's stored quotes."""
+    async with db.session() as s:
+        rows = (await s.execute(select(QuoteRow).join(JobRow, JobRow.id == QuoteRow.job_id)
+                                .where(JobRow.name == f"alice/{name}"))).scalars().all()
+    return [(len({p["stage"] for p in row.placement}), dict(row.prediction)) for row in rows]
+
+
+async def test_a_users_sequential_is_quoted_in_stages_priced_by_its_own_cut_and_accepted(api, db, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    await _register(api, memory_gb=24)  # GPUs that hold it whole: strategy pipeline asks for the cut
+    code = await _bundle(api, tmp_path)
+    resp = await submit(api, _code_job("seq", code, strategy="pipeline"))
+    assert resp.status == 201, await resp.text()
+    items = await quotes(api, "seq")
+    assert {q["label"] for q in items} == {"cheapest", "fastest", "balanced"}
+    for q in items:
+        assert q["strategy"] == "pipeline", q
+        stages = sorted(p["stage"] for p in q["placement"])
+        assert stages == list(range(len(stages))) and len(stages) >= 2, q["placement"]
+        assert q["ring"] == [p["site"] for p in sorted(q["placement"], key=lambda p: p["stage"])]
+    stored = await _stored(db, "seq")
+    assert len(stored) == 3
+    for stages, pred in stored:  # per step: each cut units x hidden x seqLen x 4 B each way, 1 B of targets a unit
+        cut = 768 * 256 * 16 * 4
+        assert pred["steps"] == -(-60_000 // 768)
+        assert pred["wanBytes"] == pytest.approx(pred["steps"] * (2 * cut * (stages - 1) + 768)), (stages, pred)
+    resp = await api.client.post("/api/v1/jobs/seq/accept", json={"quote": "balanced"}, headers=api.auth("alice"))
+    assert resp.status == 200, await resp.text()
+    async with db.session() as s:
+        job = (await s.execute(select(JobRow).where(JobRow.name == "alice/seq"))).scalar_one()
+        status, spec = dict(job.status), TrainingJobSpec.model_validate(job.spec)
+    by_stage = sorted(status["placement"], key=lambda p: p["stage"])
+    assert status["strategy"] == "pipeline" and [p["stage"] for p in by_stage] == list(range(len(by_stage)))
+    links = [LinkView(name=f"{a}-{b}", a=a, b=b, bandwidth_gbps=gbps, rtt_ms=20, price_per_gb="0.02", owner_id="")
+             for a, b, gbps in (("fra-1", "ams-1", 10), ("ams-1", "waw-1", 10), ("fra-1", "waw-1", 1))]
+    topo, train = attempt_plan(spec, "pipeline", list(reversed(status["placement"])), ["zzz"], links)
+    assert [x["name"] for x in topo["sites"]] == [p["site"] for p in by_stage]
+    assert train["strategy"]["name"] == "pipeline" and train["strategy"]["stages"] == len(by_stage)
+
+
+async def test_a_users_code_without_its_children_is_refused_naming_spec_model_layers(api, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    await _register(api, memory_gb=24)
+    code = await _bundle(api, tmp_path)
+    for name, model, extra in (
+            ("no-layers", {"parameters": 2_000_000, "hidden": 256}, {"strategy": "pipeline"}),
+            ("few-layers", {**CODE_MODEL, "layers": 2}, {"parallelism": {"pipelineStages": 3}}),
+            ("one-layer", {**CODE_MODEL, "layers": 1}, {"strategy": "pipeline"}),
+            ("replicas", {"parameters": 2_000_000}, {"parallelism": {"dataReplicas": 2}})):
+        for path in ("/api/v1/jobs", "/api/v1/jobs?dryRun=true"):
+            resp = await api.client.post(path, json=_code_job(name, code, model, **extra), headers=api.auth("alice"))
+            error = (await resp.json())["error"]
+            assert resp.status == 422 and error["field"] == "spec.model.layers", (name, error)
+            do = "add" if "layers" not in model else "set"
+            assert f"{do} spec.model.layers to the number of the Sequential's children" in error["message"], error
+    resp = await submit(api, _code_job("few-layers", code, {**CODE_MODEL, "layers": 2},
+                                       parallelism={"pipelineStages": 3}))
+    assert "at least 3 for 3 pipeline stages" in (await resp.json())["error"]["message"]
+    resp = await submit(api, _code_job("no-hidden", code, {"parameters": 2_000_000, "layers": 6}, strategy="pipeline"))
+    error = (await resp.json())["error"]
+    assert resp.status == 422 and error["field"] == "spec.model.hidden", error
+    resp = await submit(api, _code_job("auto", code, {"parameters": 2_000_000}))  # auto: data parallel, as before
+    assert resp.status == 201, await resp.text()
+    assert all(q["strategy"] != "pipeline" for q in await quotes(api, "auto"))
+
+
+async def test_replicas_of_a_users_pipeline_are_quoted_and_planned_replica_major(api, db, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    await _register(api, memory_gb=24, sites=FOUR_SITES)
+    code = await _bundle(api, tmp_path)
+    resp = await submit(api, _code_job("twice", code, parallelism={"dataReplicas": 2}))
+    assert resp.status == 201, await resp.text()
+    for q in await quotes(api, "twice"):
+        assert q["strategy"] == "pipeline", q
+        assert sorted((p["replica"], p["stage"]) for p in q["placement"]) == [(0, 0), (0, 1), (1, 0), (1, 1)], q
+        assert len({p["site"] for p in q["placement"]}) == 4, q["placement"]
+    for _, pred in await _stored(db, "twice"):  # two replicas, each one cut on half the batch, and their averaging
+        own = pred["steps"] * 2 * (2 * 384 * 256 * 16 * 4 + 384)
+        assert pred["wanBytes"] == pytest.approx(own + pred["replicaWanBytes"]) and pred["replicaWanBytes"] > 0, pred
+    resp = await api.client.post("/api/v1/jobs/twice/accept", json={"quote": "balanced"}, headers=api.auth("alice"))
+    assert resp.status == 200, await resp.text()
+    async with db.session() as s:
+        job = (await s.execute(select(JobRow).where(JobRow.name == "alice/twice"))).scalar_one()
+        status, spec = dict(job.status), TrainingJobSpec.model_validate(job.spec)
+    links = [LinkView(name=f"{a}-{b}", a=a, b=b, bandwidth_gbps=10, rtt_ms=20, price_per_gb="0.02", owner_id="")
+             for i, a in enumerate(FOUR_SITES) for b in FOUR_SITES[i + 1:]]
+    topo, train = attempt_plan(spec, "pipeline", list(reversed(status["placement"])), ["zzz"], links)
+    order = sorted(status["placement"], key=lambda p: (p["replica"], p["stage"]))
+    assert [x["name"] for x in topo["sites"]] == [p["site"] for p in order]
+    assert train["strategy"]["name"] == "pipeline" and train["strategy"]["stages"] == 2

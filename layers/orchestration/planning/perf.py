@@ -113,7 +113,7 @@ __all__ = [
     "profile_factor", "budget_steps", "host_stretch",
     "Levels", "levels_of", "multilevel_comm", "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param",
     "wire_ratio", "worker_memory_gb", "micro_batches", "predict_pipeline", "stage_cuts", "stage_memory_gb",
-    "barrier_step", "replica_inner_steps",
+    "barrier_step", "replica_inner_steps", "is_code", "cut_floats", "max_stages",
 ]
 
 # Launching → Running before any lesson: a Kubernetes pod is scheduled, pulls its image and meets
@@ -515,12 +515,20 @@ def _runtime_pipeline() -> tuple[int, int]:
 PIPELINE_MICRO_BATCHES, PIPELINE_VOCAB = _runtime_pipeline()
 
 
+def is_code(req: JobRequirements) -> bool:
+    """A user's own code (``spec.code``): its ``nn.Sequential`` is cut, not CPN's built-in LM."""
+    return req.workload != "lm"
+
+
 def _units(req: JobRequirements) -> list[float]:
-    """Parameters of the model's units as the runtime cuts them: embedding, ``layers`` blocks, head.
-    A transformer block holds ≈ 12·h² + 13·h parameters; the rest is split between the embedding and
-    the head (which holds its copy of the tied token table)."""
+    """Parameters of the model's units as the runtime cuts them. The built-in LM: embedding, ``layers``
+    blocks, head (a transformer block holds ≈ 12·h² + 13·h parameters; the rest is split between the
+    embedding and the head, which holds its copy of the tied token table). A user's ``nn.Sequential``
+    (spec.code): its ``layers`` children, taken as equal, parameters / layers each."""
     m = req.model
     layers = max(1, m.layers)
+    if is_code(req):
+        return [m.parameters / layers] * layers
     block = 12.0 * m.hidden**2 + 13.0 * m.hidden
     if block * layers >= m.parameters:
         block = m.parameters / (layers + 2)
@@ -529,25 +537,35 @@ def _units(req: JobRequirements) -> list[float]:
 
 
 def max_stages(req: JobRequirements) -> int:
-    """The runtime cuts at unit boundaries: at most layers + 2 stages."""
-    return max(1, req.model.layers) + 2
+    """The runtime cuts at unit boundaries: at most layers + 2 stages for the built-in LM, ``layers``
+    (the Sequential's children) for a user's code."""
+    return max(1, req.model.layers) + (0 if is_code(req) else 2)
+
+
+def cut_floats(req: JobRequirements) -> int:
+    """Values one unit of the batch sends across a cut (and as many gradients back): the LM's hidden
+    width per token; a user's model's stated width, spec.model.hidden × seqLen (seqLen 1 unless stated)."""
+    m = req.model
+    return m.hidden * m.seq_len if is_code(req) else m.hidden
 
 
 def stage_cuts(req: JobRequirements, stages: int) -> list[tuple[float, float]]:
     """(parameters, share of the blocks) of each of ``stages`` stages, cut as the runtime cuts
-    (:func:`cpn.runtime.stages.partition`: contiguous, the largest stage as small as possible)."""
-    return list(_cuts(req.model, stages))
+    (:func:`cpn.runtime.stages.partition`: contiguous, the largest stage as small as possible); a
+    user's model's children all count as blocks."""
+    return list(_cuts(req.model, stages, is_code(req)))
 
 
 @functools.lru_cache(maxsize=256)
-def _cuts(model: ModelShape, stages: int) -> tuple[tuple[float, float], ...]:
+def _cuts(model: ModelShape, stages: int, code: bool) -> tuple[tuple[float, float], ...]:
     from cpn.runtime.stages import partition
 
-    sizes = _units(JobRequirements(model=model, tokens=1, global_batch_tokens=1))
-    layers = len(sizes) - 2
+    sizes = _units(JobRequirements(model=model, tokens=1, global_batch_tokens=1, workload="code:" if code else "lm"))
+    edges = 0 if code else 1  # the LM's embedding and head are no blocks
+    layers = len(sizes) - 2 * edges
     out = []
     for start, end in partition([round(x) for x in sizes], stages):
-        blocks = sum(1 for u in range(start, end) if 0 < u <= layers)
+        blocks = sum(1 for u in range(start, end) if edges <= u < edges + layers)
         out.append((sum(sizes[start:end]), blocks / layers))
     return tuple(out)
 
@@ -585,6 +603,10 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
     (bubble (P − 1)/(M + P − 1)), then the first and last stage exchange the tied token table's
     gradient (vocab · hidden · 4 B each way) and every stage all-reduces its gradients inside its
     site. Stage 0 also sends the targets to the last stage (1 B per token).
+
+    A user's ``nn.Sequential`` (spec.code, :func:`is_code`): ``layers`` equal units of parameters/layers
+    each, a cut carries T · hidden · seqLen · 4 B each way (:func:`cut_floats`; T in the job's units),
+    no tied table; the rest as above.
 
     D > 1 replicas: each runs that step on T/D tokens (its compute, activations and targets scale by
     1/D, the tied table does not; M from its D·W shares of the sequences) and the slowest replica
@@ -652,7 +674,7 @@ def replica_inner_steps(req: JobRequirements, stages: int, replicas: int, steps:
         return max(1, min(req.inner_steps, steps))
     from cpn.runtime.autotune import replica_inner_steps as runtime_rule
 
-    return runtime_rule(req.model.parameters, req.model.hidden, req.global_batch_tokens, stages, replicas,
+    return runtime_rule(req.model.parameters, cut_floats(req), req.global_batch_tokens, stages, replicas,
                         max(1, steps))
 
 
@@ -690,8 +712,8 @@ def _replica_step(req: JobRequirements, used: list[Assignment], offers: Mapping[
     tokens = req.global_batch_tokens / replicas
     flops = flops_per_step(req) / replicas
     compute = [flops * cuts[s][0] / total_params / (tflops[s] * 1e12) for s in range(stages)]
-    act = tokens * req.model.hidden * ACTIVATION_VALUE_BYTES * wire_ratio(req.compression)
-    tied = PIPELINE_VOCAB * req.model.hidden * ACTIVATION_VALUE_BYTES
+    act = tokens * cut_floats(req) * ACTIVATION_VALUE_BYTES * wire_ratio(req.compression)
+    tied = 0.0 if is_code(req) else PIPELINE_VOCAB * req.model.hidden * ACTIVATION_VALUE_BYTES
     per_step: dict[Key, float] = {}
     link_s = []
     for s in range(stages - 1):

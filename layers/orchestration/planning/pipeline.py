@@ -6,9 +6,11 @@ GPU's memory) can still train when the model is cut into P contiguous stages, on
 The search, over the candidates of one :class:`~layers.orchestration.planning.placement.Problem`:
 
 - P from 2 (or ``spec.parallelism.pipelineStages`` exactly) up to the sites allowed and the model's
-  units (layers + 2);
+  units (the built-in LM: layers + 2; a user's ``nn.Sequential``, spec.code: its ``spec.model.layers``
+  children, priced as equal units, :func:`perf.stage_cuts`);
 - every ordered choice of P distinct sites (stage s → the s-th), consecutive stages and the first and
-  last (they share the tied token table) directly linked; exhaustive while the ordered choices number
+  last (they share the tied token table; a user's model: stage 0 sends the last stage its targets)
+  directly linked; exhaustive while the ordered choices number
   at most :data:`EXHAUSTIVE_CHOICES` (solver ``exact``), else over the strongest sites only, as many
   as keep the count under it (solver ``heuristic``);
 - W GPUs at every stage (the runtime needs the same number at each site), a handful of widths
@@ -58,10 +60,23 @@ _MEMO_SIZE = 16
 
 
 def allowed(req: JobRequirements) -> str | None:
-    """Why this job cannot run as a pipeline (None: it can): the runtime cuts CPN's built-in LM only."""
-    if req.workload != "lm":
-        return "the pipeline strategy cuts CPN's built-in models only, not spec.code"
+    """Why this job cannot run as a pipeline (None: it can): the runtime cuts CPN's built-in LM, and a
+    user's ``nn.Sequential`` (spec.code) whose children spec.model.layers counts (2 or more)."""
+    if perf.is_code(req) and req.model.layers < 2:
+        return (f"spec.model.layers {req.model.layers} (unset: 1): the pipeline cuts your code's nn.Sequential "
+                "between its children, so it needs their number; add spec.model.layers (the Sequential's "
+                "children, 2 or more) and spec.model.hidden (the values one unit sends across a cut)")
     return None
+
+
+def _data_parallel_first(problem: Problem) -> bool:
+    """Strategy auto on a user's code keeps its data-parallel plans (as before its model could be cut):
+    a pipeline only when no offered GPU holds a whole replica."""
+    req = problem.req
+    if not perf.is_code(req) or req.strategy != "auto" or req.stages is not None or req.data_replicas > 1:
+        return False
+    need = perf.worker_memory_gb(req)
+    return any(o.memory_gb <= 0 or o.memory_gb >= need for o in problem.offers)
 
 
 def stage_counts(problem: Problem) -> range:
@@ -116,7 +131,7 @@ def candidates(problem: Problem) -> list[Plan]:
 def _search(problem: Problem) -> list[Plan]:
     req = problem.req
     counts = stage_counts(problem)
-    if not len(counts) or allowed(req) is not None:
+    if not len(counts) or allowed(req) is not None or _data_parallel_first(problem):
         return []
     d = _replicas(req)
     by_site: dict[str, list[int]] = {}
@@ -261,7 +276,7 @@ def diagnose(problem: Problem, whole: Infeasible | None) -> Infeasible:
     req = problem.req
     reason = allowed(req)
     if reason is not None:
-        return Infeasible(reason, field="spec.parallelism.dataReplicas" if req.data_replicas > 1 else "spec.code")
+        return Infeasible(reason, field="spec.model.layers")
     counts = stage_counts(problem)
     d = _replicas(req)
     room = min(problem.sites_max, len(problem.sites))
@@ -275,6 +290,10 @@ def diagnose(problem: Problem, whole: Infeasible | None) -> Infeasible:
                               f"{len(problem.sites)} sites with free GPUs are allowed"
                               + (f" and spec.sites.max is {problem.sites_max}" if problem.sites_max < d * least
                                  else ""), field="spec.parallelism.dataReplicas")
+        if req.stages is not None and perf.is_code(req) and req.stages > perf.max_stages(req):
+            return Infeasible(f"{prefix}spec.parallelism.pipelineStages {req.stages}: your model has "
+                              f"spec.model.layers {req.model.layers} units to cut; raise spec.model.layers to the "
+                              "Sequential's children, or ask fewer stages", field="spec.model.layers")
         if req.stages is not None:
             return Infeasible(f"{prefix}spec.parallelism.pipelineStages {req.stages}: at most {top} stages here "
                               f"(one per site: {len(problem.sites)} sites with free GPUs are allowed; the model "

@@ -143,11 +143,16 @@ def test_limits_bind_the_pipeline_too() -> None:
     with pytest.raises(Infeasible) as caught:
         placement.plan(llama(stages=3), offers, links, BALANCED)
     assert caught.value.field == "spec.parallelism.pipelineStages" and "at most 2 stages" in caught.value.message
-    code = llama(workload="code:abc")
-    assert pipeline.allowed(code) is not None
-    with pytest.raises(Infeasible) as caught:  # the runtime cuts its own LM only: spec.code stays whole
-        placement.plan(code, offers, links, BALANCED)
+    uncut = llama(workload="code:abc", model=replace(LLAMA, parameters=12 * 10**9, layers=1))  # no layers stated
+    assert "spec.model.layers" in (pipeline.allowed(uncut) or "")
+    with pytest.raises(Infeasible) as caught:  # auto: it stays whole, as before a user's model could be cut
+        placement.plan(uncut, offers, links, BALANCED)
     assert caught.value.field == "spec.model"
+    with pytest.raises(Infeasible) as caught:  # asked for: the reason, at the field to add
+        placement.plan(replace(uncut, strategy="pipeline"), offers, links, BALANCED)
+    assert caught.value.field == "spec.model.layers" and "add spec.model.layers" in caught.value.message
+    cut = placement.plan(llama(workload="code:abc"), offers, links, BALANCED)  # 32 children: nothing else fits
+    assert cut.strategy == "pipeline" and sorted(a.stage for a in cut.assignments) == [0, 1]
 
 
 FOUR = "ABCD"
@@ -237,6 +242,74 @@ def test_replicas_that_the_sites_cannot_hold_name_data_replicas() -> None:
         placement.plan(llama(strategy="pipeline", data_replicas=2, stages=2), offers,
                        [link("A", "B", 100.0), link("C", "D", 100.0)], BALANCED)
     assert caught.value.field == "spec.parallelism.dataReplicas", caught.value
-    with pytest.raises(Infeasible) as caught:
-        placement.plan(llama(strategy="pipeline", data_replicas=2, workload="code:abc"), offers, links, BALANCED)
-    assert caught.value.field == "spec.parallelism.dataReplicas", caught.value
+    with pytest.raises(Infeasible) as caught:  # a user's model says how many children it has, or is not cut
+        placement.plan(llama(strategy="pipeline", data_replicas=2, workload="code:abc", model=replace(LLAMA, layers=1)),
+                       offers, links, BALANCED)
+    assert caught.value.field == "spec.model.layers", caught.value
+    code = placement.plan(llama(strategy="pipeline", data_replicas=2, workload="code:abc"), offers, links, BALANCED)
+    assert sorted((a.replica, a.stage) for a in code.assignments) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def _code(**kw) -> JobRequirements:  # type: ignore[no-untyped-def]
+    """A user's nn.Sequential (spec.code): 6 children, 2048 values per position across a cut, 16 positions."""
+    return JobRequirements(**{"model": ModelShape(600_000_000, 6, 2048, 16), "tokens": 10_000_000,
+                              "global_batch_tokens": 4096, "workload": "code:abc", **kw})
+
+
+def test_a_users_sequential_is_cut_where_the_runtime_cuts_it_into_equal_children() -> None:
+    from torch import nn
+
+    from cpn.runtime.stages import cut_model
+
+    children = nn.Sequential(*(nn.Linear(64, 64) for _ in range(6)))  # equal children, 4160 parameters each
+    req = _code(model=ModelShape(6 * 4160, 6, 64, 1))
+    assert perf.max_stages(req) == 6 and perf.max_stages(replace(req, workload="lm")) == 8
+    for stages in (2, 3, 4, 5):
+        real = [(c.end - c.start) * 4160 for c in cut_model(children, stages)]
+        planned = perf.stage_cuts(req, stages)
+        assert [round(p) for p, _ in planned] == real, (stages, planned, real)
+        assert [b for _, b in planned] == pytest.approx([n / 4160 / 6 for n in real])  # every child is a block
+    big = _code()
+    cuts = perf.stage_cuts(big, 3)
+    assert cuts == [(2e8, pytest.approx(1 / 3))] * 3
+    micro = perf.micro_batches(big, 1)  # whole 16-unit sequences, at most the runtime's default
+    assert micro == min(perf.PIPELINE_MICRO_BATCHES, 4096 // 16)
+    activations = perf.ACTIVATION_BYTES * 2048 * 6 * 16 / 3  # one sequence through a third of the children
+    for s in range(3):
+        assert perf.stage_memory_gb(big, 3, s, micro, cuts) == pytest.approx(
+            (2e8 * perf.TRAINING_STATE_BYTES + activations * min(3 - s, micro)) / 1e9)
+
+
+def test_a_users_cut_carries_hidden_times_seq_len_and_no_tied_table() -> None:
+    req = _code()
+    offers = {"a": gpu("a", "A", memory=80, gpus=8, model="H100", tflops=989.0),
+              "b": gpu("b", "B", memory=80, gpus=8, model="H100", tflops=989.0)}
+    plan = [Assignment("a", "A", 8, "H100", stage=0), Assignment("b", "B", 8, "H100", stage=1)]
+    for gbps in (100.0, 0.1):
+        links = [link("A", "B", gbps)]
+        pred = perf.predict_pipeline(req, plan, offers, links)
+        act = 4096 * 2048 * 16 * 4  # units x hidden x seqLen x 4 B, each way
+        assert pred.wan_bytes / pred.steps == pytest.approx(2 * act + 4096)  # and 1 B of targets per unit
+        m = perf.micro_batches(req, 8)
+        compute = perf.flops_per_step(req) / 2 / (8 * perf.calibration.effective_tflops("H100", 989.0) * 1e12)
+        cut = act * 8 / (gbps * 1e9) + m * 20.0 / 2e3
+        targets = 4096 * 8 / (gbps * 1e9) + 20.0 / 2e3
+        intra = perf.intra_gbps_by_site(plan, offers)
+        allreduce = float(perf.ring_allreduce_seconds(3e8 * perf.GRADIENT_BYTES, 8, intra["A"], perf.INTRA_ALPHA_SECONDS))
+        assert pred.compute_seconds_per_step == pytest.approx(compute)
+        assert pred.step_seconds == pytest.approx((m + 1) / m * max(compute, cut) + targets + allreduce)
+        lm = perf.predict_pipeline(replace(req, workload="lm"), plan, offers, links)  # the LM's: hidden, tied table
+        assert lm.wan_bytes / lm.steps == pytest.approx(4096 * 2048 * 4 * 2 + 2 * perf.PIPELINE_VOCAB * 2048 * 4 + 4096)
+
+
+def test_auto_keeps_a_users_code_data_parallel_while_a_gpu_holds_it_whole() -> None:
+    offers, links = _four(memory=80)
+    assert placement.plan(_code(), offers, links, FASTEST).strategy != "pipeline"
+    staged = placement.plan(_code(strategy="pipeline"), offers, links, FASTEST)
+    assert staged.strategy == "pipeline" and len({a.stage for a in staged.assignments}) >= 2
+    too_small = [replace(o, memory_gb=perf.worker_memory_gb(_code()) * 0.9) for o in offers]
+    assert placement.plan(_code(), too_small, links, FASTEST).strategy == "pipeline"  # nothing else fits
+    with pytest.raises(Infeasible) as caught:  # more stages than children
+        placement.plan(_code(stages=7), [*offers, *(gpu(x, x, memory=80) for x in "EFG")],
+                       [link(a, b, 100.0) for i, a in enumerate("ABCDEFG") for b in "ABCDEFG"[i + 1:]], FASTEST)
+    assert caught.value.field == "spec.model.layers" and "spec.model.layers 6" in caught.value.message
