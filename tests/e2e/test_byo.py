@@ -27,14 +27,14 @@ def w(db_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
     world.close()
 
 
-def example(tmp: Path, name: str, **spec: object) -> Path:
+def example(tmp: Path, name: str, manifest: str = "job.yaml", **spec: object) -> Path:
     """A copy of examples/NAME with its job pinned to two sites (and any other spec changes)."""
     dest = tmp / name
     shutil.copytree(EXAMPLES / name, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    doc = yaml.safe_load((dest / "job.yaml").read_text())
+    doc = yaml.safe_load((dest / manifest).read_text())
     doc["spec"].update({"gpus": {"min": 2, "max": 2}, "sites": {"min": 2, "max": 2}, **spec})
-    (dest / "job.yaml").write_text(yaml.safe_dump(doc))
-    return dest / "job.yaml"
+    (dest / manifest).write_text(yaml.safe_dump(doc))
+    return dest / manifest
 
 
 def cpnctl(w: World, *args: str):  # type: ignore[no-untyped-def]
@@ -85,6 +85,19 @@ def test_own_image_model_trains_with_ddp_and_reports_its_metric(w: World, tmp_pa
     accuracy = [m["accuracy"] for m in got["metrics"] if m["rank"] == 0 and m.get("accuracy") is not None]
     assert accuracy and accuracy[-1] > 0.5, accuracy  # the user's own metric, chance is 0.25
     assert got["weights"]["0.weight"].shape == (8, 1, 3, 3)
+
+
+def test_own_image_model_trains_as_a_pipeline_of_two_sites(w: World, tmp_path: Path) -> None:
+    """examples/byo-vision/pipeline.yaml: the user's nn.Sequential cut into two stages, one per site."""
+    manifest = example(tmp_path, "byo-vision", "pipeline.yaml", tokens=24_000)
+    got = trains(w, manifest, "byo-vision-pipeline", tmp_path)
+    quotes = w.call(w.user, "GET", "/api/v1/jobs/byo-vision-pipeline/quotes")["items"]
+    assert quotes and all(sorted(x["stage"] for x in q["placement"]) == [0, 1] for q in quotes), quotes
+    assert got["job"]["status"]["strategy"] == "pipeline"
+    losses = val_losses(got["metrics"])
+    assert losses[-1] < 0.8 * losses[0], losses
+    # the final weights are the whole model, the dense layers trained at the second site
+    assert got["weights"]["0.weight"].shape == (8, 1, 3, 3) and got["weights"]["7.weight"].shape == (64, 576)
 
 
 def test_unsafe_or_missing_code_is_refused_before_anything_runs(w: World, tmp_path: Path) -> None:
