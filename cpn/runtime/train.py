@@ -41,8 +41,9 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def preflight(config: TrainConfig, topology: Topology) -> None:
-    """What a worker would find wrong with this config on this topology, found before any starts."""
+def preflight(config: TrainConfig, topology: Topology, *, builtin_model: bool = True) -> None:
+    """What a worker would find wrong with this config on this topology, found before any starts.
+    ``builtin_model=False``: a user's code builds the model (its units are checked when it is wrapped)."""
     from cpn.runtime.data import VAL_FRACTION
 
     world, sites = topology.world_size, topology.num_sites
@@ -54,7 +55,7 @@ def preflight(config: TrainConfig, topology: Topology) -> None:
     if s.name == "ps_backup" and s.backup_workers >= world:
         raise ValueError(f"strategy.backup_workers {s.backup_workers} must be below the {world} workers of the job")
     check_ps(config, topology)
-    strategy_class(s.name).check(config, topology)
+    strategy_class(s.name).check(config, topology, builtin_model=builtin_model)
     if s.name == "hierarchical" and not topology.is_uniform:
         raise ValueError(f"hierarchical needs the same number of workers at every site, got "
                          f"{[x.ranks for x in topology.sites]}: use ddp or even out the sites")

@@ -174,6 +174,14 @@ def test_preflight_refuses_a_pipeline_it_cannot_run() -> None:
         StrategyConfig(name="ddp", stages=2)
 
 
+def test_preflight_leaves_a_users_model_to_be_checked_when_it_is_wrapped() -> None:
+    """A spec.code job's config names the tiny preset (4 units) for its budget only: 5 stages of the user's
+    model are not refused for tiny's units (the runtime checks the user's nn.Sequential when it is wrapped)."""
+    with pytest.raises(ValueError, match="too few for 5 stages"):
+        preflight(pipe(steps=4), Topology.uniform(5, 1))
+    preflight(pipe(steps=4), Topology.uniform(5, 1), builtin_model=False)
+
+
 def test_the_benchmark_checks_the_issues_targets_against_ddp(tmp_path: Path) -> None:
     from cpn.runtime.bench_pipeline import PipelineBenchOptions, targets, write_markdown
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel
 from torch import Tensor, nn
 
 from cpn.runtime.codecs import ErrorFeedback, get_codec
@@ -256,9 +257,10 @@ class Strategy:
     takes_inputs: bool = False  # owns the passes and takes the user's rows (trainer.step(inputs=, targets=))
 
     @classmethod
-    def check(cls, cfg: TrainConfig, topology: Topology) -> None:
+    def check(cls, cfg: TrainConfig, topology: Topology, *, builtin_model: bool = True) -> None:
         """Refuse, before any worker starts, a config this strategy cannot run on ``topology``
-        (a ValueError that says how to fix it); :func:`cpn.runtime.train.preflight` calls it."""
+        (a ValueError that says how to fix it); :func:`cpn.runtime.train.preflight` calls it.
+        ``builtin_model``: the job trains CPN's built-in LM (False: a user's code builds its model)."""
 
     def __init__(self, ctx: Context):
         self.ctx, self.cfg, self.model = ctx, ctx.cfg, ctx.model
@@ -315,9 +317,13 @@ class Strategy:
         takes as long everywhere instead of waiting for the slowest. The weighted averages follow
         the shares. A rank that does not post within ``wan_timeout_seconds`` leaves the split as it was,
         and later windows no longer wait for it (a dead site would otherwise cost the timeout every window);
-        it keeps the mean speed of the others, so the live ranks' split still follows their speeds. Which
-        ranks were missing is decided once per window on the store (the first rank to finish waiting
-        writes it, the others read it), so every rank takes the same split."""
+        it keeps the mean speed of the others, so the live ranks' split still follows their speeds. The
+        ranks of sites the WAN exchange has dropped (:func:`dropped_sites`) are not waited for at all:
+        the exchange already waited the timeout for them, so a dead site costs it once, not once more
+        here (a dropped site that posts anyway counts; one that checks in again is waited for again).
+        Which ranks count and which were missing is decided once per window on the store (the first
+        rank to finish waiting writes it, the others read it and stop waiting), so every rank takes the
+        same split."""
         if not (self.balanced and self.cfg.strategy.balance):
             return
         ctx = self.ctx
@@ -332,15 +338,20 @@ class Strategy:
         store.set(f"{step}/{ctx.rank}", repr(seqs / max(busy, 1e-9)))
         world = ctx.groups.world_size
         silent: set[int] = getattr(self, "_silent", set())
+        dropped = dropped_ranks(ctx)
         keys = {r: f"{step}/{r}" for r in range(world) if r not in silent}
+        awaited = {r: k for r, k in keys.items() if r not in dropped}
+        verdict_key = f"{step}/verdict"
         with ctx.timers.timed("wait"):
-            present = set(wait_keys(store, list(keys.values()), time.monotonic() + self.cfg.strategy.wan_timeout_seconds))
-        mine = json.dumps(sorted(r for r, k in keys.items() if k not in present))
-        missing = json.loads(store.compare_set(f"{step}/missing", "", mine).decode())  # the first verdict stands
-        if missing:
-            self._silent = silent | set(missing)
+            wait_keys(store, list(awaited.values()), time.monotonic() + self.cfg.strategy.wan_timeout_seconds,
+                      settled=verdict_key)
+        present = {r for r, k in keys.items() if store.check([k])}
+        mine = BalanceVerdict(counted=sorted(present), missing=sorted(set(awaited) - present))
+        verdict = BalanceVerdict.model_validate_json(store.compare_set(verdict_key, "", mine.model_dump_json()))
+        self._silent = silent | set(verdict.missing)  # the first verdict stands
+        if verdict.missing or not verdict.counted:
             return
-        posted = {r: float(store.get(k)) for r, k in keys.items()}
+        posted = {r: float(store.get(f"{step}/{r}")) for r in verdict.counted}
         mean = sum(posted.values()) / len(posted)
         speeds = [posted.get(r, mean) for r in range(world)]
         if max(speeds) <= BALANCE_THRESHOLD * min(speeds):  # equal hardware: noise, not a straggler
@@ -393,13 +404,38 @@ class TokenBudget:
         return self.store.add("tokens", 0)
 
 
-def wait_keys(store: dist.Store, keys: list[str], deadline: float, poll: float = 0.01) -> list[str]:
-    """Poll until every key exists or the deadline passes; returns the keys that exist."""
+def wait_keys(store: dist.Store, keys: list[str], deadline: float, poll: float = 0.01,
+              settled: str | None = None) -> list[str]:
+    """Poll until every key exists, the deadline passes or the key ``settled`` exists (someone has
+    decided already); returns the keys that exist."""
     while True:
         present = [k for k in keys if store.check([k])]
-        if len(present) == len(keys) or time.monotonic() >= deadline:
+        done = len(present) == len(keys) or (settled is not None and store.check([settled]))
+        if done or time.monotonic() >= deadline:
             return present
         time.sleep(poll)
+
+
+class BalanceVerdict(BaseModel):
+    """A balance window's outcome, decided once on the store: the ranks whose speeds count, and the
+    ranks waited for that did not post (then the split stays as it was)."""
+
+    counted: list[int]
+    missing: list[int]
+
+
+def dropped_sites(store: dist.Store, exchange: str = "wan") -> set[int]:
+    """The sites the latest check-in of the exchange named ``exchange`` dropped (not arrived within
+    ``wan_timeout_seconds``, or silent since an exchange that failed): nothing waits for them until
+    they check in again."""
+    key = f"cpn/{exchange}/{SiteExchange.DROPPED}"
+    return set(json.loads(store.get(key))) if store.check([key]) else set()
+
+
+def dropped_ranks(ctx: Context) -> set[int]:
+    """The ranks of :func:`dropped_sites`."""
+    sites = dropped_sites(ctx.store)
+    return {r for s in sites for r in ctx.groups.topology.ranks_of(s)} if sites else set()
 
 
 class PendingAverage:
@@ -414,11 +450,12 @@ class PendingAverage:
         ex = self.exchange
         if self.work is None:
             return self.x
+        since = time.monotonic()
         try:
             with ex.ctx.timers.timed("comm"):
                 self.work.wait(ex.timeout)
         except Exception as exc:  # noqa: BLE001 - a dead peer surfaces as any of several errors
-            ex.record_failure(self.round, exc)
+            ex.record_failure(self.round, exc, since)
             return None
         if self.outs is None:
             return self.x.div_(len(ex.members))
@@ -433,9 +470,17 @@ def host_copy(stage: HostStage, x: Tensor) -> Tensor:
 
 
 class SiteExchange:
-    """Averages one vector across the live sites' leaders, re-forming the group on membership change."""
+    """Averages one vector across the live sites' leaders, re-forming the group on membership change.
+
+    A site that does not check in within ``wan_timeout_seconds`` is dropped from the members, and the
+    coordinator records the dropped sites on the store (:func:`dropped_sites`, read by the balance
+    windows), so a dead site costs the job one timeout. After an exchange that failed, the members
+    that recorded the failure are alive and are waited for as ever; one that did not (the site whose
+    death failed it) is waited for only until ``wan_timeout_seconds`` after the coordinator's failed
+    exchange began waiting (it already waited for it there), not a whole timeout more."""
 
     COORDINATOR = 0
+    DROPPED = "dropped"  # the store key (under the exchange's prefix) of the latest check-in's dropped sites
 
     def __init__(self, ctx: Context, name: str = "wan"):
         self.ctx = ctx
@@ -447,13 +492,16 @@ class SiteExchange:
         self.timeout = timedelta(seconds=ctx.cfg.strategy.wan_timeout_seconds)
         self.codec = get_codec(ctx.cfg.strategy.compression)
         self.ef = ErrorFeedback() if self.codec is not None else None
+        self.failed: tuple[int, float] | None = None  # this site's last failed exchange: (round, when its wait began)
 
     def padded(self, n: int) -> int:
         align = self.codec.align if self.codec else 1
         return -(-n // align) * align
 
-    def record_failure(self, rnd: int, exc: BaseException) -> None:
+    def record_failure(self, rnd: int, exc: BaseException, since: float) -> None:
+        """Round ``rnd``'s exchange failed after waiting for the members from ``since`` (monotonic)."""
         self.store.set(f"r{rnd}/failed/{self.site}", repr(exc)[:200])
+        self.failed = (rnd, since)
         self.pg = None
 
     def join(self, rnd: int) -> bool:
@@ -468,29 +516,51 @@ class SiteExchange:
             return False
         if gen != self.gen or self.pg is None:
             self.members, self.gen = members, gen
-            self.pg = self._build() if len(members) > 1 else None
+            self.pg = self._build(rnd) if len(members) > 1 else None
             if self.pg is None and len(members) > 1:
                 return False
         return True
 
     def _decide(self, rnd: int) -> None:
         everyone = [f"r{rnd}/arrive/{s}" for s in range(self.ctx.num_sites)]
-        expected = [f"r{rnd}/arrive/{s}" for s in self.members]
         with self.ctx.timers.timed("wait"):
-            wait_keys(self.store, expected, time.monotonic() + self.timeout.total_seconds())
+            self._await_members(rnd)
         arrived = sorted(int(k.rsplit("/", 1)[1]) for k in everyone if self.store.check([k]))
         failed = rnd > 0 and any(self.store.check([f"r{rnd - 1}/failed/{s}"]) for s in self.members)
         gen = self.gen
         if arrived != self.members or failed or gen < 0:
             gen = max(gen, 0) + (0 if self.gen < 0 and arrived == self.members else 1)
+        dropped = sorted(set(range(self.ctx.num_sites)) - set(arrived))
+        self.store.set(self.DROPPED, json.dumps(dropped))  # before the members: who reads them may read this
         self.store.set(f"r{rnd}/members", json.dumps({"gen": gen, "members": arrived}))
 
-    def _build(self) -> dist.ProcessGroup | None:
+    def _await_members(self, rnd: int, poll: float = 0.01) -> None:
+        """Wait for the members' check-ins of round ``rnd``: ``wan_timeout_seconds`` from now, except
+        for a member silent since this site's exchange of the previous round failed (it recorded no
+        failure of its own): ``wan_timeout_seconds`` from when that exchange began waiting for it, so
+        the exchange and the check-in together wait one timeout for it (none here after a time-out)."""
+        start, patience = time.monotonic(), self.timeout.total_seconds()
+        since = self.failed[1] if self.failed is not None and self.failed[0] == rnd - 1 else None
+
+        def deadline(site: int) -> float:
+            if since is None or self.store.check([f"r{rnd - 1}/failed/{site}"]):
+                return start + patience
+            return since + patience
+
+        while True:
+            waiting = [s for s in self.members if not self.store.check([f"r{rnd}/arrive/{s}"])]
+            if not any(time.monotonic() < deadline(s) for s in waiting):
+                return
+            time.sleep(poll)
+
+    def _build(self, rnd: int) -> dist.ProcessGroup | None:
         prefixed = dist.PrefixStore(f"gen{self.gen}", self.store)
+        since = time.monotonic()
         try:
             with self.ctx.timers.timed("wait"):
                 return dist.ProcessGroupGloo(prefixed, self.members.index(self.site), len(self.members), self.timeout)
-        except Exception:  # noqa: BLE001 - a member died between the decision and the rendezvous
+        except Exception as exc:  # noqa: BLE001 - a member died between the decision and the rendezvous
+            self.record_failure(rnd, exc, since)
             return None
 
     def start(self, rnd: int, x: Tensor) -> PendingAverage:

@@ -112,7 +112,7 @@ def attempt_plan(spec: TrainingJobSpec, strategy: str, placement: list[dict[str,
     train = train_config(spec, strategy, workers, resume, sites=len(topo["sites"]), stages=stages)
     config = TrainConfig.model_validate(train)
     config.sequences_per_worker(workers)
-    preflight(config, Topology.model_validate(topo))
+    preflight(config, Topology.model_validate(topo), builtin_model=spec.code is None)
     return topo, train
 
 
