@@ -270,3 +270,87 @@ def test_a_rank_that_never_posts_its_speed_costs_one_timeout_not_one_per_window(
     assert time.monotonic() - started < 1.0  # rank 2 is not waited for again
     assert ctx.shares is not None and ctx.shares[0] > ctx.shares[1] and sum(ctx.shares) == cfg.global_sequences
     assert ctx.micro_batch == ctx.shares[0]
+
+
+def test_balance_windows_do_not_wait_for_the_sites_the_exchange_dropped() -> None:
+    """Once a check-in has dropped a site (it did not arrive within the WAN timeout), a balance window
+    does not wait the timeout for its ranks again: the live ranks' speeds split the batch at once,
+    the dropped rank is not silenced for good (it is waited for again if it checks in again), and a
+    rank that comes later takes the same verdict without waiting either."""
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from cpn.runtime.metrics import Timers
+    from cpn.runtime.strategies.base import Strategy
+
+    store = dist.HashStore()
+    cfg = tiny("diloco", balance=True, wan_timeout_seconds=3.0)
+    groups = SimpleNamespace(world_size=3, topology=Topology.uniform(3, 1))
+    store.set("cpn/wan/dropped", json.dumps([2]))  # what the coordinator's last check-in recorded
+    ctx = SimpleNamespace(busy_seconds=0.0, sequences_done=0, store=store, groups=groups, rank=0, shares=None,
+                          micro_batch=None, timers=Timers())
+    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx)
+    Strategy.rebalance(rank0, 1)
+    ctx.busy_seconds, ctx.sequences_done = 1.0, 20  # rank 0: 20 sequences per busy second
+    dist.PrefixStore("cpn/balance", store).set("5/1", "5.0")
+    started = time.monotonic()
+    Strategy.rebalance(rank0, 5)
+    assert time.monotonic() - started < 1.0  # not the 3 s timeout
+    assert ctx.shares is not None and ctx.shares[0] > ctx.shares[1] and sum(ctx.shares) == cfg.global_sequences
+    assert rank0._silent == set()
+    late_ctx = SimpleNamespace(**{**vars(ctx), "rank": 1, "shares": None, "timers": Timers()})
+    store.set("cpn/wan/dropped", json.dumps([]))  # site 2 checked in again meanwhile: the verdict still stands
+    late = SimpleNamespace(balanced=True, cfg=cfg, ctx=late_ctx, _window=(0.0, 0))
+    late_ctx.busy_seconds, late_ctx.sequences_done = 1.0, 5
+    started = time.monotonic()
+    Strategy.rebalance(late, 5)
+    assert time.monotonic() - started < 1.0 and late_ctx.shares == ctx.shares
+
+
+def test_a_check_in_after_a_failed_exchange_waits_for_the_silent_site_only_until_its_timeout() -> None:
+    """The coordinator's exchange of round 4 began waiting 1.5 s ago and failed (timeout 2.5 s). Site 1
+    recorded the failure too (it is alive), site 2 did not (its death failed the exchange): round 5's
+    check-in waits for site 2 only the 1 s left of one timeout, drops it and records it on the store;
+    after an exchange that timed out it does not wait for it at all. A site that recorded the failure
+    and is merely slow is waited for the whole timeout, as before, and taken back."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from cpn.runtime.metrics import Timers
+    from cpn.runtime.strategies.base import SiteExchange, dropped_sites
+
+    store = dist.HashStore()
+    cfg = tiny("diloco", compression="none", wan_timeout_seconds=2.5)
+    coordinator = SiteExchange(SimpleNamespace(store=store, site=0, num_sites=3, cfg=cfg, timers=Timers()))
+
+    def check_in(rnd: int, waited: float, failed: tuple[int, ...], arrived: tuple[int, ...]) -> float:
+        """Round ``rnd``'s check-in after round rnd-1's exchange failed at ``failed`` (its wait began
+        ``waited`` seconds ago), with ``arrived`` checked in; returns the seconds it took."""
+        coordinator.members = [0, 1, 2]
+        for site in failed:
+            coordinator.store.set(f"r{rnd - 1}/failed/{site}", "RuntimeError('Connection closed by peer')")
+        coordinator.failed = (rnd - 1, time.monotonic() - waited)
+        for site in arrived:
+            coordinator.store.set(f"r{rnd}/arrive/{site}", "1")
+        started = time.monotonic()
+        coordinator._decide(rnd)
+        return time.monotonic() - started
+
+    assert 0.7 < check_in(5, 1.5, failed=(0, 1), arrived=(0, 1)) < 1.5
+    assert json.loads(coordinator.store.get("r5/members"))["members"] == [0, 1]
+    assert dropped_sites(store) == {2}
+    assert check_in(6, 2.5, failed=(0, 1), arrived=(0, 1)) < 0.5  # the exchange timed out: no second wait
+    assert dropped_sites(store) == {2}
+
+    # a failed round 6 that every site recorded: slow site 2 checks in 2 s late and is waited for
+    late = threading.Timer(2.0, coordinator.store.set, ("r7/arrive/2", "1"))
+    late.start()
+    assert check_in(7, 1.5, failed=(0, 1, 2), arrived=(0, 1)) >= 1.9
+    late.join()
+    assert json.loads(coordinator.store.get("r7/members"))["members"] == [0, 1, 2]
+    assert dropped_sites(store) == set()
