@@ -9,8 +9,11 @@ Layout under the checkpoint directory::
 
 Every file is written to a temporary name and renamed, so a crash leaves either the old checkpoint
 or the new one. ``latest.json`` moves only after every live site leader has reported its file
-written (through the job's store), so it never points at a half-written step. A site missing from
-the latest step (it had died) rejoins from ``global.pt``.
+written (through the job's store), so it never points at a half-written step. Rank 0 does not wait
+for the files in the step: the commit is polled between steps (:class:`PendingCommit`), so a site
+that died before writing costs the others nothing; after ``COMMIT_TIMEOUT_SECONDS`` the step is
+committed with the sites that wrote. A site missing from the latest step (it had died) rejoins from
+``global.pt``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 LATEST = "latest.json"
+COMMIT_TIMEOUT_SECONDS = 120.0  # how long a checkpoint step waits for a site's file before committing without it
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -51,25 +56,54 @@ def latest(root: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+@dataclass
+class PendingCommit:
+    """Rank 0's ``latest.json`` for one checkpoint step, written once every expected site leader has
+    reported its file, or at ``deadline`` with the sites that did (a site that died before writing
+    rejoins from ``global.pt``). Polled by the training loop between steps, so a dead site's missing
+    file never holds the live ranks; a commit never moves ``latest.json`` back to an older step."""
+
+    root: Path
+    step: int
+    sites: list[int]
+    deadline: float
+
+    def written(self, store: dist.Store) -> list[int]:
+        return [s for s in self.sites if store.check([_key(self.step, s)])]
+
+    def poll(self, store: dist.Store, *, wait: bool = False) -> bool:
+        """Commit if due (``wait``: block until every site wrote or the deadline); True once committed."""
+        while True:
+            written = self.written(store)
+            if len(written) == len(self.sites) or time.monotonic() >= self.deadline:
+                break
+            if not wait:
+                return False
+            time.sleep(0.01)
+        current = latest(self.root)
+        if current is None or int(current["step"]) < self.step:
+            atomic_write_json({"step": self.step, "sites": written}, self.root / LATEST)
+        return True
+
+
+def _key(step: int, site: int) -> str:
+    return f"cpn/ckpt/{step}/site{site}"
+
+
 def save(root: Path, step: int, *, site: int, is_leader: bool, is_rank0: bool, site_state: dict[str, Any],
-         global_state: dict[str, Any], store: dist.Store, live_sites: list[int], timeout: float = 120.0) -> None:
-    """Called on every rank at a checkpoint step; leaders write, rank 0 commits ``latest.json``."""
+         global_state: dict[str, Any], store: dist.Store, live_sites: list[int],
+         timeout: float = COMMIT_TIMEOUT_SECONDS) -> PendingCommit | None:
+    """Called on every rank at a checkpoint step; leaders write, rank 0 returns the step's commit of
+    ``latest.json`` (already done if every live site had written), to poll until it is done."""
     directory = step_dir(root, step)
     if is_leader:
         atomic_save(site_state, directory / f"site{site}.pt")
-        store.set(f"cpn/ckpt/{step}/site{site}", "1")
+        store.set(_key(step, site), "1")
     if not is_rank0:
-        return
+        return None
     atomic_save(global_state, directory / "global.pt")
-    deadline = time.monotonic() + timeout
-    written = []
-    for s in live_sites:
-        key = f"cpn/ckpt/{step}/site{s}"
-        while not store.check([key]) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if store.check([key]):
-            written.append(s)
-    atomic_write_json({"step": step, "sites": written}, root / LATEST)
+    commit = PendingCommit(Path(root), step, list(live_sites), time.monotonic() + timeout)
+    return None if commit.poll(store) else commit
 
 
 def load(root: str | Path, site: int) -> tuple[int, dict[str, Any] | None, dict[str, Any]] | None:

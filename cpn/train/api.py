@@ -228,6 +228,7 @@ class Trainer:
                                  sinks=default_sinks(groups.rank, str(job.run_dir) if job.run_dir else None))
         self._done = False
         self._finished = False
+        self._commits: list[checkpoint.PendingCommit] = []
         self._closed = False
         self._final: dict[str, Any] = {}
         self._begin_step()
@@ -302,6 +303,7 @@ class Trainer:
         self._units += int(tokens)
         self.strategy.rebalance(self._step)
         self._emit(train_loss=value)
+        self._poll_commits()
         if self.strategy.checkpoint_due(self._step):
             self._checkpoint()
         if self.strategy.should_stop(self._step):
@@ -383,10 +385,17 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         ctx = self.ctx
-        checkpoint.save(ctx.checkpoint_dir, self._step, site=ctx.site, is_leader=ctx.is_leader,  # type: ignore[arg-type]
-                        is_rank0=ctx.rank == 0, site_state=self.strategy.site_state(),
-                        global_state=self.strategy.global_state() if ctx.rank == 0 else {},
-                        store=ctx.store, live_sites=self.strategy.live_sites())
+        commit = checkpoint.save(ctx.checkpoint_dir, self._step, site=ctx.site, is_leader=ctx.is_leader,  # type: ignore[arg-type]
+                                 is_rank0=ctx.rank == 0, site_state=self.strategy.site_state(),
+                                 global_state=self.strategy.global_state() if ctx.rank == 0 else {},
+                                 store=ctx.store, live_sites=self.strategy.live_sites())
+        if commit is not None:
+            self._commits.append(commit)
+
+    def _poll_commits(self, *, wait: bool = False) -> None:
+        """Rank 0: write the checkpoints' ``latest.json`` that are due (in step order)."""
+        while self._commits and self._commits[0].poll(self.ctx.store, wait=wait):
+            self._commits.pop(0)
 
     def _finish(self) -> None:
         if self._finished:
@@ -394,6 +403,7 @@ class Trainer:
         self._finished = self._done = True
         cfg = self.ctx.cfg
         self.strategy.finish(self._step)
+        self._poll_commits(wait=True)
         if not self.strategy.global_budget:
             self.strategy.progress = cfg.tokens_through(self._step) / cfg.tokens
         self._final = self._emit(train_loss=None, final=True)

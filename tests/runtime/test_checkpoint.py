@@ -40,3 +40,27 @@ def test_atomic_save_leaves_no_temporary_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["latest.json", "site0.pt", "step-00000001"]
     assert checkpoint.latest(tmp_path) == {"step": 1, "sites": [0]}
     assert checkpoint.latest(tmp_path / "missing") is None
+
+
+def test_a_site_that_never_writes_does_not_hold_rank0_and_latest_never_moves_back(tmp_path: Path) -> None:
+    """Rank 0 returns from a checkpoint at once when a site's file is missing (it had died); the step is
+    committed without it at the deadline; an older step committed late never replaces a newer latest."""
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    kw = {"is_leader": True, "site_state": {"w": 1}, "store": store, "live_sites": [0, 1]}
+    t0 = time.monotonic()
+    pending = checkpoint.save(tmp_path, 10, site=0, is_rank0=True, global_state={}, timeout=0.3, **kw)
+    assert time.monotonic() - t0 < 0.25 and pending is not None  # not waiting for site 1
+    assert not pending.poll(store) and checkpoint.latest(tmp_path) is None
+    checkpoint.save(tmp_path, 20, site=1, is_rank0=False, global_state={}, **kw)
+    newer = checkpoint.save(tmp_path, 20, site=0, is_rank0=True, global_state={}, **kw)
+    assert newer is None and checkpoint.latest(tmp_path) == {"step": 20, "sites": [0, 1]}  # both wrote: at once
+    assert pending.poll(store, wait=True)  # the deadline passes: step 10 is due, with site 0 only ...
+    assert checkpoint.latest(tmp_path) == {"step": 20, "sites": [0, 1]}  # ... but latest stays at 20
+    fresh = tmp_path / "other"
+    late = checkpoint.save(fresh, 30, site=0, is_rank0=True, global_state={}, timeout=0.1, **kw)
+    assert late is not None and late.poll(store, wait=True)
+    assert checkpoint.latest(fresh) == {"step": 30, "sites": [0]}
