@@ -196,7 +196,7 @@ def test_the_attempt_runs_p_stages_on_sites_in_replica_major_order() -> None:
     assert single["strategy"]["stages"] == 2
 
 
-async def test_a_lost_site_re_places_all_replicas_or_fails_naming_why(api, db) -> None:  # type: ignore[no-untyped-def]
+async def test_a_lost_site_re_places_all_replicas_or_those_the_live_sites_hold_or_fails_naming_why(api, db) -> None:  # type: ignore[no-untyped-def]
     from datetime import timedelta
 
     from cpn.core.errors import Infeasible
@@ -216,12 +216,20 @@ async def test_a_lost_site_re_places_all_replicas_or_fails_naming_why(api, db) -
         placed = await replace_placement(s, row, {lost}, **limits)
         assert sorted((p["replica"], p["stage"]) for p in placed) == [(0, 0), (0, 1), (1, 0), (1, 1)], placed
         assert lost not in {p["site"] for p in placed} and len({p["site"] for p in placed}) == 4, placed
-        gone = {lost, first[0]["site"]}
-        with pytest.raises(Infeasible) as err:  # 3 sites left for 2 x 2 stages
-            await replace_placement(s, row, gone, **limits)
+        gone = {lost, first[0]["site"]}  # 3 sites left for 2 x 2 stages: the one replica they hold goes on
+        row.status = {**row.status, "placement": placed}
+        fewer = await replace_placement(s, row, gone, **limits)
+        assert sorted((p["replica"], p["stage"]) for p in fewer) == [(0, 0), (0, 1)], fewer
+        assert not gone & {p["site"] for p in fewer}, fewer
+        row.status = {**row.status, "placement": fewer}  # and stays one replica: its checkpoint holds no more
+        again = await replace_placement(s, row, set(), **limits)
+        assert sorted((p["replica"], p["stage"]) for p in again) == [(0, 0), (0, 1)], again
+        left = [x for x in five if x not in gone]
+        with pytest.raises(Infeasible) as err:  # 1 site left for 2 stages
+            await replace_placement(s, row, {*gone, *left[:2]}, **limits)
     assert err.value.field is None, err.value  # the lost sites' fault, no field of the spec's
-    assert "holds 2 pipeline stages of each of 2 replicas" in err.value.message, err.value.message
-    assert "4 sites), and only 3 live site(s) remain" in err.value.message, err.value.message
+    assert "holds 2 pipeline stages, each to resume on a site of its own" in err.value.message, err.value.message
+    assert "only 1 live site(s) remain" in err.value.message, err.value.message
 
 
 # a user's nn.Sequential: 6 children, a cut carries 256 values at each of 16 positions per unit

@@ -147,6 +147,21 @@ def test_two_replicas_averaging_gradients_every_step_train_what_one_process_does
     assert summary["wan_replica_bytes"] == cfg.total_steps * 2 * stage_params * 4
 
 
+def test_replicas_that_lost_a_site_go_on_as_one_pipeline_from_their_checkpoint(tmp_path: Path) -> None:
+    """What the orchestrator does when the live sites no longer hold D x P (layers/orchestration/lifecycle/
+    replan.py): 2 replicas x 2 stages checkpoint, then one pipeline on 2 sites resumes from the first
+    sites' files — the model the replicas held — and trains the rest of the budget."""
+    cfg = pipe(steps=6, extra_tokens=100, compression="none", stages=2, inner_steps=1)
+    ckpt = str(tmp_path / "ckpt")
+    run(cfg.model_copy(update={"checkpoint_every": 2, "checkpoint_dir": ckpt, "stop_at_step": 3}), tmp_path / "two", 4, 1)
+    resumed = run(cfg.model_copy(update={"resume": ckpt}), tmp_path / "one", 2, 1)
+    val = val_batches(split_corpus(load_corpus(cfg.corpus_bytes)).val, seq_len=cfg.seq_len, batches=cfg.val_batches)
+    at_checkpoint = evaluate(reference(cfg, 2, [0, 1], steps=2), val)  # H = 1: the replicas held one model
+    assert resumed["initial_val_loss"] == pytest.approx(at_checkpoint, abs=1e-4)
+    assert resumed["replicas"] == 1 and resumed["tokens"] == cfg.tokens - 2 * cfg.global_batch_tokens
+    assert resumed["final_val_loss"] < resumed["initial_val_loss"]
+
+
 def test_replicas_of_the_pipeline_average_as_local_sgd_and_lower_the_loss(tmp_path: Path) -> None:
     cfg = pipe(steps=40, compression="none", stages=2, inner_steps=4)
     summary = run(cfg, tmp_path, 4, 1)

@@ -27,7 +27,7 @@ from layers.orchestration.lifecycle import learning, metering
 from layers.orchestration.lifecycle.leader import Leadership
 from layers.orchestration.lifecycle.models import SubtaskRow
 from layers.orchestration.lifecycle.plan import ELASTIC, attempt_plan, budget_note, rank_offsets
-from layers.orchestration.lifecycle.replan import replace_placement, ring_of
+from layers.orchestration.lifecycle.replan import replace_placement, replicas_of, ring_of
 from layers.resource.capacity import inventory
 from layers.resource.drivers.base import SubtaskState
 from layers.resource.models import ClusterRow
@@ -315,11 +315,14 @@ class Reconciler:
         except errors.CPNError as exc:
             await self._finish(s, job, "Failed", "NoFeasiblePlacement", exc.message)
             return
+        before, after = replicas_of(job.status.get("placement") or []), replicas_of(lines)
+        fewer = f"; {after} of its {before} pipeline replicas go on (the live sites hold no more)" if (
+            before and after and after < before) else ""
         update_status(job, placement=lines, ring=ring_of(job.status.get("ring", []), lines))
         set_phase(job, "Reserved", "Restarting", f"restarting from the latest checkpoint without {sorted(failed_sites)}")
         await record_event(s, job.name, "Warning", "Restarting",
                            f"attempt {attempt} lost {sorted(failed_sites)}; attempt {attempt + 1} resumes from the "
-                           "latest checkpoint on " + ", ".join(f"{p['gpus']}×{p['cluster']}" for p in lines))
+                           "latest checkpoint on " + ", ".join(f"{p['gpus']}×{p['cluster']}" for p in lines) + fewer)
 
     async def _finish(self, s: AsyncSession, job: JobRow, phase: str, reason: str, message: str) -> None:
         previous = set_phase(job, phase, reason, message)

@@ -4,7 +4,11 @@ re-placed as a pipeline of as many stages as before: its checkpoint holds one fi
 the state of that stage's cut (``cpn.runtime.strategies.pipeline``), so stage s resumes from
 ``site{s}.pt`` on whichever site now runs it, and a different cut could not load them. Replicas of a
 pipeline (D > 1, ``spec.parallelism.dataReplicas``) are re-placed whole, D × P again (site d·P + s,
-replica-major as before, resumes ``site{d·P+s}.pt``), or the job fails naming why."""
+replica-major as before, resumes ``site{d·P+s}.pt``); when the live sites no longer hold D × P, the
+replicas they can hold go on (D' < D, the first D'·P sites' files, every stage's copy of one step) —
+with at least one whole pipeline left, a lost site costs the job its replica, not the job — or the
+job fails naming why. The lines then keep ``replica`` (0 … D'−1, also for D' = 1), so a later
+re-placement does not grow the job back to replicas its checkpoint holds no files for."""
 
 from __future__ import annotations
 
@@ -41,10 +45,15 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
     await s.flush()
     pool_offers, links, _ = await capacity.snapshot(s, heartbeat_timeout)
     offers, wan = planner_inputs(pool_offers, links, spec.currency)
-    try:
-        plan = placement.plan(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
-    except errors.Infeasible as exc:
-        raise _infeasible(req, exc, failed_sites, {o.site for o in offers}) from exc
+    replicated = req.strategy == "pipeline" and (req.data_replicas > 1 or replicas_of(job.status["placement"]) is not None)
+    while True:
+        try:
+            plan = placement.plan(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
+            break
+        except errors.Infeasible as exc:
+            if not replicated or req.data_replicas <= 1:
+                raise _infeasible(req, exc, failed_sites, {o.site for o in offers}) from exc
+            req = dataclasses.replace(req, data_replicas=req.data_replicas - 1)  # the replicas the live sites hold
     wants = [leases.Want(subtask=subtask_name(job.name, a.cluster), cluster=a.cluster.split("/")[0], gpus=a.gpus)
              for a in plan.assignments]
     try:
@@ -56,7 +65,7 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
     region_of = {o.name: o.region for o in offers}
     return [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
              "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage}),
-             **({} if a.replica is None else {"replica": a.replica})}
+             **({} if a.replica is None and not replicated else {"replica": a.replica or 0})}
             for a in plan.assignments]
 
 
