@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 LATEST = "latest.json"
 COMMIT_TIMEOUT_SECONDS = 120.0  # how long a checkpoint step waits for a site's file before committing without it
+COMMIT_GRACE_SECONDS = 5.0  # how long rank 0 waits for the files in the step itself (the rest is polled)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -60,8 +61,9 @@ def latest(root: str | Path) -> dict[str, Any] | None:
 class PendingCommit:
     """Rank 0's ``latest.json`` for one checkpoint step, written once every expected site leader has
     reported its file, or at ``deadline`` with the sites that did (a site that died before writing
-    rejoins from ``global.pt``). Polled by the training loop between steps, so a dead site's missing
-    file never holds the live ranks; a commit never moves ``latest.json`` back to an older step."""
+    rejoins from ``global.pt``). :func:`save` waits ``COMMIT_GRACE_SECONDS`` for the files (the usual
+    case: committed there, as before); a step still incomplete then is polled by the training loop
+    between steps (:func:`poll_commits`), so a dead site's missing file never holds the live ranks."""
 
     root: Path
     step: int
@@ -71,19 +73,31 @@ class PendingCommit:
     def written(self, store: dist.Store) -> list[int]:
         return [s for s in self.sites if store.check([_key(self.step, s)])]
 
-    def poll(self, store: dist.Store, *, wait: bool = False) -> bool:
-        """Commit if due (``wait``: block until every site wrote or the deadline); True once committed."""
-        while True:
-            written = self.written(store)
-            if len(written) == len(self.sites) or time.monotonic() >= self.deadline:
-                break
-            if not wait:
+    def due(self, store: dist.Store) -> bool:
+        return len(self.written(store)) == len(self.sites) or time.monotonic() >= self.deadline
+
+    def wait(self, store: dist.Store, until: float) -> bool:
+        """Wait until the commit is due or ``until`` (monotonic); whether it is due."""
+        while not self.due(store):
+            if time.monotonic() >= until:
                 return False
             time.sleep(0.01)
-        current = latest(self.root)
-        if current is None or int(current["step"]) < self.step:
-            atomic_write_json({"step": self.step, "sites": written}, self.root / LATEST)
         return True
+
+    def commit(self, store: dist.Store) -> None:
+        atomic_write_json({"step": self.step, "sites": self.written(store)}, self.root / LATEST)
+
+
+def poll_commits(pending: list[PendingCommit], store: dist.Store, *, wait: bool = False) -> None:
+    """Commit the newest due checkpoint of ``pending`` (oldest first) and drop it and the older ones
+    (a newer step supersedes them: ``latest.json`` never moves back within a run); ``wait``: the newest
+    one, waiting for it up to its deadline. Mutates ``pending``."""
+    for k in reversed(range(len(pending))):
+        last = k == len(pending) - 1
+        if pending[k].due(store) or (wait and last and pending[k].wait(store, pending[k].deadline)):
+            pending[k].commit(store)
+            del pending[: k + 1]
+            return
 
 
 def _key(step: int, site: int) -> str:
@@ -94,7 +108,7 @@ def save(root: Path, step: int, *, site: int, is_leader: bool, is_rank0: bool, s
          global_state: dict[str, Any], store: dist.Store, live_sites: list[int],
          timeout: float = COMMIT_TIMEOUT_SECONDS) -> PendingCommit | None:
     """Called on every rank at a checkpoint step; leaders write, rank 0 returns the step's commit of
-    ``latest.json`` (already done if every live site had written), to poll until it is done."""
+    ``latest.json`` after a short grace for the sites' files, for :func:`poll_commits` to write."""
     directory = step_dir(root, step)
     if is_leader:
         atomic_save(site_state, directory / f"site{site}.pt")
@@ -103,7 +117,8 @@ def save(root: Path, step: int, *, site: int, is_leader: bool, is_rank0: bool, s
         return None
     atomic_save(global_state, directory / "global.pt")
     commit = PendingCommit(Path(root), step, list(live_sites), time.monotonic() + timeout)
-    return None if commit.poll(store) else commit
+    commit.wait(store, time.monotonic() + min(COMMIT_GRACE_SECONDS, timeout))
+    return commit
 
 
 def load(root: str | Path, site: int) -> tuple[int, dict[str, Any] | None, dict[str, Any]] | None:

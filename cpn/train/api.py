@@ -391,11 +391,11 @@ class Trainer:
                                  store=ctx.store, live_sites=self.strategy.live_sites())
         if commit is not None:
             self._commits.append(commit)
+            self._poll_commits()
 
     def _poll_commits(self, *, wait: bool = False) -> None:
-        """Rank 0: write the checkpoints' ``latest.json`` that are due (in step order)."""
-        while self._commits and self._commits[0].poll(self.ctx.store, wait=wait):
-            self._commits.pop(0)
+        """Rank 0: write the newest due checkpoint's ``latest.json`` (older pending ones are superseded)."""
+        checkpoint.poll_commits(self._commits, self.ctx.store, wait=wait)
 
     def _finish(self) -> None:
         if self._finished:

@@ -100,6 +100,14 @@ def test_three_stages_where_the_user_cuts_with_int8_at_the_cuts(tmp_path: Path) 
     assert summary["wan_gradient_bytes"] < STEPS * BATCH * 32 * 4  # int8: about a quarter of float32 per cut
 
 
+def test_a_stage_whose_output_needs_no_gradient_neither_sends_nor_waits_for_one(tmp_path: Path) -> None:
+    """A parameter-free first stage (Flatten): no gradient crosses its cut back, and nobody waits for one."""
+    out, _ = run(config(), Topology.uniform(2, 1), tmp_path, args={"lead": True, "stages": [1]})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stages"][0] == ["0:Flatten"] and summary["wan_gradient_bytes"] == 0, summary["stages"]
+    assert out[0]["last"] < 0.7 * out[0]["first"], out[0]
+
+
 def test_a_model_the_pipeline_cannot_cut_is_refused_saying_why(tmp_path: Path) -> None:
     _, results = run(config(), Topology.uniform(2, 1), tmp_path, args={"stages": [9]}, ok=False)
     assert any(r.exit_code != 0 for r in results)

@@ -41,6 +41,8 @@ def main() -> None:
     job = cpn.train.init()
     cfg = {"hidden": 32, "lr": 0.01, "stages": None, **job.config}
     model = net(cfg["hidden"])
+    if cfg.get("lead"):  # a parameter-free first child: its stage's output needs no gradient
+        model = nn.Sequential(nn.Flatten(1), *model)
     xs, ys = dataset(2048)
     rows = job.shard(range(len(xs)))
     mine_x, mine_y = xs[list(rows)], ys[list(rows)]

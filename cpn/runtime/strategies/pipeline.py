@@ -70,6 +70,7 @@ TIED_TAG, TARGET_TAG, GATHER_TAG, STEP_TAG = 1, 2, 3, 4
 MICRO_TAG = 16  # micro-batch i's activations go with tag MICRO_TAG + 2i, their gradients with MICRO_TAG + 2i + 1
 HEADER_TAG = 1 << 20  # a user model's activation i: its header (dtype, shape) with tag HEADER_TAG + i
 MAX_DIMS = 8  # dimensions a header can describe
+DESC = 3 + MAX_DIMS  # a tensor's description: dtype, ndim, whether a gradient comes back, the dims
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
                torch.int8, torch.uint8, torch.bool)
 STATS_KEY = "cpn/pipeline"
@@ -249,7 +250,7 @@ class Pipeline(Strategy):
     def _user_inputs(self) -> tuple[list[Tensor], list[Tensor], list[tuple[int, int]]]:
         """A user model's step: stage 0 cuts the fed rows into micro-batches and tells every later stage of
         its chain how many (and the last stage the targets' dtype and shape, then the targets)."""
-        header = torch.zeros(3 + MAX_DIMS, dtype=torch.int64)
+        header = torch.zeros(1 + DESC, dtype=torch.int64)
         xs: list[Tensor] = []
         y: Tensor | None = None
         if self.stage.has_embed:
@@ -315,10 +316,10 @@ class Pipeline(Strategy):
         if self.stage.has_embed:
             inp = xs[i]
         else:
-            header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
+            header = torch.zeros(DESC, dtype=torch.int64)
             self._recv(header, self._peer(self.s - 1), HEADER_TAG + i)
             inp = self._recv_activation(header, self._peer(self.s - 1), MICRO_TAG + 2 * i)
-            if inp.is_floating_point():
+            if _wants_grad(header):  # the stage before waits for this input's gradient (and only then)
                 inp.requires_grad_(True)
         with autocast(self.ctx.device, self.cfg.device.precision):
             out = self.stage(inp)
@@ -327,7 +328,7 @@ class Pipeline(Strategy):
         if self.stage.has_head:
             losses.append(out.item())
         else:
-            header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
+            header = torch.zeros(DESC, dtype=torch.int64)
             _describe(header, out)
             self._send(header, self._peer(self.s + 1), HEADER_TAG + i, "activation")
             if out.is_floating_point():
@@ -343,13 +344,15 @@ class Pipeline(Strategy):
         return self._recv_described(header, src, tag).to(self.ctx.device)
 
     def _backward(self, i: int, shape: tuple[int, int], inp: Tensor, out: Tensor) -> None:
-        if not out.requires_grad:  # an integer output (or one that needs no gradient): nothing flows back
-            return
-        if self.stage.has_head:
-            out.backward()
-        else:
-            grad = self._recv_tensor(tuple(out.shape), self._peer(self.s + 1), MICRO_TAG + 2 * i + 1)
-            torch.autograd.backward(out, grad_tensors=grad.to(out.dtype))
+        """Backward through the stage: a gradient comes from the next stage exactly when this stage's
+        output needed one (its header said so), and one goes back exactly when the input did (zeros if
+        nothing in the stage reached it): both ends of every cut agree, so neither waits in vain."""
+        if out.requires_grad:
+            if self.stage.has_head:
+                out.backward()
+            else:
+                grad = self._recv_tensor(tuple(out.shape), self._peer(self.s + 1), MICRO_TAG + 2 * i + 1)
+                torch.autograd.backward(out, grad_tensors=grad.to(out.dtype))
         if not self.stage.has_embed and inp.requires_grad:
             grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)
             self._send_tensor(grad, self._peer(self.s - 1), MICRO_TAG + 2 * i + 1, "gradient")
@@ -529,14 +532,18 @@ def _describe(header: Tensor, t: Tensor) -> None:
         raise ValueError(f"the pipeline sends tensors of up to {MAX_DIMS} dimensions of "
                          f"{', '.join(str(d).removeprefix('torch.') for d in WIRE_DTYPES)} between stages, "
                          f"not {t.dtype} of shape {tuple(t.shape)}")
-    header[0], header[1] = WIRE_DTYPES.index(t.dtype), t.dim()
+    header[0], header[1], header[2] = WIRE_DTYPES.index(t.dtype), t.dim(), int(t.requires_grad)
     for k, size in enumerate(t.shape):
-        header[2 + k] = size
+        header[3 + k] = size
 
 
 def _described(header: Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
     ndim = int(header[1])
-    return WIRE_DTYPES[int(header[0])], tuple(int(v) for v in header[2 : 2 + ndim])
+    return WIRE_DTYPES[int(header[0])], tuple(int(v) for v in header[3 : 3 + ndim])
+
+
+def _wants_grad(header: Tensor) -> bool:
+    return bool(int(header[2]))
 
 
 def _itemsize(dtype: torch.dtype) -> int:
