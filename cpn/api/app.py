@@ -5,12 +5,14 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
-from collections.abc import AsyncIterator
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
-from cpn.api import metrics, middleware, state, wiring
+from cpn.api import metrics, middleware, state, wiring, workers
 from cpn.api.routes import resources, system
 from cpn.core.db import Database
 from cpn.core.migrate import upgrade_async
@@ -32,7 +34,7 @@ def create_app(settings: Settings | None = None, db: Database | None = None, *, 
                      middleware.auth_middleware, middleware.audit_middleware],
     )
     app[state.SETTINGS] = settings
-    app[state.DB] = db or Database(settings.effective_database_url)
+    app[state.DB] = db or Database(settings.effective_database_url, share=settings.workers or 1)
     app[state.BLOBS] = BlobStore.of(settings)
     app[state.KINDS] = wiring.build_registry(settings, app[state.BLOBS])
     app[state.DOCS] = []
@@ -88,18 +90,40 @@ async def _dispose(app: web.Application) -> None:
 
 
 def serve(settings: Settings) -> None:
+    """Serve the API: one process, or ``settings.effective_workers`` sharing the port (PostgreSQL)."""
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+    count = settings.effective_workers
+    if count == 1:
+        app = create_app(settings)
+        app.on_startup.append(_announce(settings, 1))
+        app.on_startup.append(_tune_gc)
+        web.run_app(app, host=settings.host, port=settings.port, print=None, backlog=LISTEN_BACKLOG, **_LIMITS)
+        return
+    workers.migrate(settings.effective_database_url)
+    socks = workers.bind(settings.host, settings.port, LISTEN_BACKLOG)
+    settings = settings.model_copy(update={"workers": count})  # each worker takes 1/count of the connections
 
+    def start(shared: list[socket.socket], index: int) -> None:
+        app = create_app(settings, migrate=False)
+        if index == 0:
+            app.on_startup.append(_announce(settings, count))
+        app.on_startup.append(_tune_gc)
+        web.run_app(app, sock=shared, print=None, **_LIMITS)
+
+    raise SystemExit(workers.run(count, socks, start, os.environ.get(workers.MULTIPROC_ENV)))
+
+
+# long request lines (label selectors, continue tokens) get a JSON 4xx from CPN, not aiohttp's text 400
+_LIMITS = {"max_line_size": 65536, "max_field_size": 16384}  # aiohttp ≥ 3.14 takes the handler's limits directly
+
+
+def _announce(settings: Settings, count: int) -> Callable[[web.Application], Awaitable[None]]:
     async def announce(_: web.Application) -> None:
         from sqlalchemy.engine import make_url
 
         database = make_url(settings.effective_database_url).render_as_string(hide_password=True)
-        logging.getLogger("cpn.api").info("CPN API serving on http://%s:%s (portal at /, database %s)",
-                                             settings.host, settings.port, database)
+        logging.getLogger("cpn.api").info("CPN API serving on http://%s:%s (portal at /, database %s%s)",
+                                             settings.host, settings.port, database,
+                                             f", {count} worker processes" if count > 1 else "")
 
-    app.on_startup.append(announce)
-    app.on_startup.append(_tune_gc)
-    # long request lines (label selectors, continue tokens) get a JSON 4xx from CPN, not aiohttp's text 400
-    web.run_app(app, host=settings.host, port=settings.port, print=None, backlog=LISTEN_BACKLOG,
-                max_line_size=65536, max_field_size=16384)  # aiohttp ≥ 3.14 takes the handler's limits directly
+    return announce

@@ -61,13 +61,24 @@ def _server(database_url: str, src: Path | None = None) -> Iterator[tuple[str, d
 
 
 def _cpu_seconds(pid: int) -> float | None:
-    """CPU seconds a process has used (user + system), from /proc; None where there is none. On a
-    shared machine this, per request, is steadier than wall time."""
+    """CPU seconds the server has used (user + system), from /proc: its process and its worker processes
+    (``cpn serve`` forks one per CPU on PostgreSQL); None where there is none. On a shared machine this,
+    per request, is steadier than wall time."""
+    total = None
+    for proc in [pid, *_children(pid)]:
+        try:
+            fields = Path(f"/proc/{proc}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total = (total or 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _children(pid: int) -> list[int]:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return []
 
 
 def _measured(pid: int, run: Any) -> dict[str, Any]:
@@ -77,6 +88,7 @@ def _measured(pid: int, run: Any) -> dict[str, Any]:
     after = _cpu_seconds(pid)
     if before is not None and after is not None and result["requests"]:
         result["server_cpu_ms_per_request"] = round((after - before) * 1000 / result["requests"], 1)
+    result["server_workers"] = max(1, len(_children(pid)))
     return result
 
 

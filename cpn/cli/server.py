@@ -27,13 +27,24 @@ def main() -> None:
 @main.command()
 @click.option("--host", default=None, help="Bind address (CPN_HOST).")
 @click.option("--port", type=int, default=None, help="Port (CPN_PORT).")
-def serve(host: str | None, port: int | None) -> None:
+@click.option("--workers", type=click.IntRange(1, 64), default=None,
+              help="API processes sharing the port (CPN_WORKERS; PostgreSQL only). Default: one per CPU, "
+                   "at most 8, on PostgreSQL; 1 on SQLite.")
+def serve(host: str | None, port: int | None, workers: int | None) -> None:
     """Run the API server; upgrades the database schema first."""
-    from cpn.api.app import serve as run
+    from cpn.api.workers import prepare_metrics
 
     settings = get_settings()
-    overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
-    run(settings.model_copy(update=overrides))
+    overrides = {k: v for k, v in {"host": host, "port": port, "workers": workers}.items() if v is not None}
+    settings = settings.model_copy(update=overrides)
+    try:
+        count = settings.effective_workers
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    prepare_metrics(count)  # before prometheus_client is imported (by the app below)
+    from cpn.api.app import serve as run
+
+    run(settings)
 
 
 @main.group()

@@ -77,7 +77,9 @@ PG_SESSION_SLOTS = 32  # concurrent transactions per server on PostgreSQL (more 
 class Database:
     """Engine + session factory. Use :meth:`session` for one transaction per request."""
 
-    def __init__(self, url: str, *, echo: bool = False):
+    def __init__(self, url: str, *, echo: bool = False, share: int = 1):
+        """``share``: how many processes of one server share the database (``cpn serve``'s workers):
+        each takes that fraction of the connections, so the server as a whole holds as many."""
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         kwargs: dict[str, Any] = {"echo": echo, "pool_timeout": 300}
@@ -91,8 +93,8 @@ class Database:
             # The pool keeps a connection for every gate slot plus the few held outside sessions (the
             # leader's lock): a burst used to open and close the 25 overflow connections over and over
             # (a PostgreSQL backend forked, every statement prepared again, for each).
-            slots = PG_SESSION_SLOTS
-            kwargs.update(pool_size=slots + 4, max_overflow=10, pool_recycle=POOL_RECYCLE_SECONDS)
+            slots = max(4, PG_SESSION_SLOTS // share)
+            kwargs.update(pool_size=slots + 4, max_overflow=max(1, 10 // share), pool_recycle=POOL_RECYCLE_SECONDS)
         # Admission control: a burst of requests queues here, in order, instead of timing out in the
         # connection pool. No code path holds one session while it opens another.
         self._gate = asyncio.Semaphore(slots)

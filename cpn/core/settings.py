@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MAX_DEFAULT_WORKERS = 8  # API processes `cpn serve` runs by default on PostgreSQL (one per CPU up to this)
 
 
 def _default_data_dir() -> Path:
@@ -38,6 +41,9 @@ class Settings(BaseSettings):
     blob_max_bytes: int = Field(default=8 * 1024**3, gt=0, description="Largest checkpoint or bundle file.")
     bundle_max_bytes: int = Field(default=64 * 1024**2, gt=0, description="Largest code bundle (spec.code), "
                                   "compressed; larger uploads get 413.")
+    workers: int | None = Field(default=None, ge=1, le=64, description=(
+        "API server processes sharing the port (PostgreSQL only; one reconciler leads among them); default: "
+        f"one per CPU, at most {MAX_DEFAULT_WORKERS}, on PostgreSQL, and 1 on SQLite (one process)"))
     blob_url: str | None = Field(default=None, description="Object store for checkpoints and bundles "
                                  "(s3://bucket/prefix, gs://…, az://…; credentials from the provider's "
                                  "environment variables); default: <data_dir>/blobs on the server's disk.")
@@ -56,10 +62,39 @@ class Settings(BaseSettings):
         return v.upper()
 
     @property
+    def is_sqlite(self) -> bool:
+        return self.effective_database_url.startswith("sqlite")
+
+    @property
+    def effective_workers(self) -> int:
+        """How many API processes ``cpn serve`` runs (a ValueError for more than one on SQLite)."""
+        if self.is_sqlite:
+            if self.workers not in (None, 1):
+                raise ValueError(f"workers {self.workers} needs PostgreSQL: the embedded SQLite database is "
+                                 "served by one process (set CPN_DATABASE_URL, or drop --workers)")
+            return 1
+        if self.workers is not None:
+            return self.workers
+        return max(1, min(MAX_DEFAULT_WORKERS, usable_cpus()))
+
+    @property
     def effective_database_url(self) -> str:
         if self.database_url:
             return self.database_url
         return f"sqlite+aiosqlite:///{self.data_dir / 'cpn.db'}"
+
+
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The CPUs this process may use: its affinity, capped by a container's CPU quota (cgroup v2
+    ``cpu.max``, "quota period"; "max" is no cap), rounded up."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cgroup.read_text().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max":
+        return cpus
+    return max(1, min(cpus, -(-int(quota) // max(1, int(period)))))
 
 
 ASYNC_DRIVERS = {"postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg",

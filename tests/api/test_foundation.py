@@ -124,3 +124,16 @@ async def test_rate_limit_per_token(aiohttp_client, settings, db) -> None:
     codes = [(await client.get("/api/v1/sites", headers={"Authorization": f"Bearer {token}"})).status
              for _ in range(5)]
     assert codes[:3] == [200, 200, 200] and codes[-1] == 429
+
+
+async def test_metrics_gauges_are_read_from_the_database_at_each_scrape(api) -> None:
+    """A cluster's gauges appear once it is registered and go with it when it is deleted (no stale labels)."""
+    from tests.api.test_resource import apply, cluster, site
+
+    assert (await apply(api, "prov-a", [site("fra-1"), cluster("fra-h100", "fra-1", gpus_per_node=8, nodes=2)])).status == 200
+    text = await (await api.client.get("/metrics")).text()
+    assert 'cpn_cluster_gpus{cluster="fra-h100",kind="capacity",site="fra-1"} 16.0' in text, text[-1500:]
+    assert "# TYPE cpn_jobs gauge" in text
+    assert (await api.client.delete("/api/v1/clusters/fra-h100", headers=api.auth("prov-a"))).status in (200, 204)
+    text = await (await api.client.get("/metrics")).text()
+    assert 'cluster="fra-h100"' not in text

@@ -61,7 +61,7 @@ def test_the_leader_dies_mid_job_and_the_other_replica_finishes_it(tmp_path: Pat
     try:
         url = factory.new()
         tokens = asyncio.run(_tokens(url))
-        env = {"CPN_HEARTBEAT_TIMEOUT_SECONDS": "20"}
+        env = {"CPN_HEARTBEAT_TIMEOUT_SECONDS": "20", "CPN_WORKERS": "1"}  # one process per replica: its healthz speaks for it
         a = start_server(url, tmp_path, env)
         b = start_server(url, tmp_path, env)  # same data dir: one blob store for both, as a shared bucket would be
         servers = {a.url: a, b.url: b}

@@ -10,12 +10,11 @@ from collections.abc import AsyncIterator
 from datetime import timedelta
 
 from aiohttp import web
-from prometheus_client import Gauge
+from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, Field
 
 from cpn.api import state
 from cpn.api.bodies import json_response, read_model
-from cpn.api.metrics import REGISTRY
 from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
@@ -242,34 +241,27 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
 
 
-async def refresh_gauges(app: web.Application) -> None:
-    """Set the job and site gauges from the database just before Prometheus scrapes."""
-    gauges = app[GAUGES]
+async def gauge_families(app: web.Application) -> list[GaugeMetricFamily]:
+    """The job and site gauges, read from the database when Prometheus scrapes (fresh every scrape, so
+    every API worker reports the same, and a deleted cluster's labels go with it)."""
     async with app[state.DB].session() as s:
         phases, clusters, leased = await views.gauges(
             s, timedelta(seconds=app[state.SETTINGS].heartbeat_timeout_seconds))
-    gauges["jobs"].clear()
+    jobs = GaugeMetricFamily("cpn_jobs", "Training jobs by phase", labels=["phase"])
+    gpus = GaugeMetricFamily("cpn_cluster_gpus", "GPUs per cluster", labels=["site", "cluster", "kind"])
+    ready = GaugeMetricFamily("cpn_cluster_ready", "1 when the cluster is Ready", labels=["site", "cluster"])
     for phase, count in phases.items():
-        gauges["jobs"].labels(phase).set(count)
-    gauges["gpus"].clear()
+        jobs.add_metric([phase], count)
     for c in clusters:
-        gauges["gpus"].labels(c.site, c.name, "capacity").set(c.capacity_gpus)
-        gauges["gpus"].labels(c.site, c.name, "allocatable").set(c.allocatable_gpus)
-        gauges["gpus"].labels(c.site, c.name, "leased").set(leased.get(c.name, 0))
-        gauges["ready"].labels(c.site, c.name).set(1 if c.ready else 0)
-
-
-GAUGES = web.AppKey("gauges", dict)
+        gpus.add_metric([c.site, c.name, "capacity"], c.capacity_gpus)
+        gpus.add_metric([c.site, c.name, "allocatable"], c.allocatable_gpus)
+        gpus.add_metric([c.site, c.name, "leased"], leased.get(c.name, 0))
+        ready.add_metric([c.site, c.name], 1 if c.ready else 0)
+    return [jobs, gpus, ready]
 
 
 def _install_gauges(app: web.Application) -> None:
-    registry = app[REGISTRY]
-    app[GAUGES] = {
-        "jobs": Gauge("cpn_jobs", "Training jobs by phase", ["phase"], registry=registry),
-        "gpus": Gauge("cpn_cluster_gpus", "GPUs per cluster", ["site", "cluster", "kind"], registry=registry),
-        "ready": Gauge("cpn_cluster_ready", "1 when the cluster is Ready", ["site", "cluster"], registry=registry),
-    }
-    app[REFRESH] = refresh_gauges
+    app[REFRESH] = gauge_families
 
 
 def setup(app: web.Application) -> None:

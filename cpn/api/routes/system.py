@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 from pydantic import BaseModel
 
 import cpn
@@ -13,6 +16,7 @@ from cpn.api.metrics import REGISTRY
 from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc, build
 from cpn.api.routes import add
+from cpn.api.workers import shared_metrics
 from layers.orchestration.identity import audit
 
 REFRESH = web.AppKey("metrics_refresh", object)
@@ -40,11 +44,25 @@ def _reconciler_role(app: web.Application) -> str:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The request counters (every worker's, when ``cpn serve`` runs several) and the gauges read from
+    the database for this scrape."""
     hook = request.app.get(REFRESH)
-    if hook is not None:
-        await hook(request.app)
-    body = generate_latest(request.app[REGISTRY])
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    families = await hook(request.app) if hook is not None else []
+    counters: Any = multiprocess.MultiProcessCollector(None) if shared_metrics() else request.app[REGISTRY]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Scrape(counters, families))
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class _Scrape:
+    """One scrape's metrics: a source's (a registry or the multiprocess files) plus fixed families."""
+
+    def __init__(self, source: Any, families: list[Any]):
+        self.source, self.families = source, families
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.source.collect()
+        yield from self.families
 
 
 async def openapi(request: web.Request) -> web.Response:
