@@ -28,8 +28,8 @@ def main() -> None:
 @click.option("--host", default=None, help="Bind address (CPN_HOST).")
 @click.option("--port", type=int, default=None, help="Port (CPN_PORT).")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
-              help="API processes sharing the port (CPN_WORKERS; PostgreSQL only). Default: one per CPU, "
-                   "at most 8, on PostgreSQL; 1 on SQLite.")
+              help="API processes sharing the port (CPN_WORKERS; PostgreSQL only). Default: the CPUs but "
+                   "one (at least 1, at most 8) on PostgreSQL; 1 on SQLite.")
 def serve(host: str | None, port: int | None, workers: int | None) -> None:
     """Run the API server; upgrades the database schema first."""
     from cpn.api.workers import prepare_metrics

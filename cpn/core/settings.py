@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-MAX_DEFAULT_WORKERS = 8  # API processes `cpn serve` runs by default on PostgreSQL (one per CPU up to this)
+MAX_DEFAULT_WORKERS = 8  # API processes `cpn serve` runs by default on PostgreSQL (CPUs - 1, up to this)
 
 
 def _default_data_dir() -> Path:
@@ -43,7 +43,8 @@ class Settings(BaseSettings):
                                   "compressed; larger uploads get 413.")
     workers: int | None = Field(default=None, ge=1, le=64, description=(
         "API server processes sharing the port (PostgreSQL only; one reconciler leads among them); default: "
-        f"one per CPU, at most {MAX_DEFAULT_WORKERS}, on PostgreSQL, and 1 on SQLite (one process)"))
+        f"one per CPU but one (left to the database and clients), at least 1 and at most {MAX_DEFAULT_WORKERS}, "
+        "on PostgreSQL, and 1 on SQLite (one process)"))
     blob_url: str | None = Field(default=None, description="Object store for checkpoints and bundles "
                                  "(s3://bucket/prefix, gs://…, az://…; credentials from the provider's "
                                  "environment variables); default: <data_dir>/blobs on the server's disk.")
@@ -75,7 +76,7 @@ class Settings(BaseSettings):
             return 1
         if self.workers is not None:
             return self.workers
-        return max(1, min(MAX_DEFAULT_WORKERS, usable_cpus()))
+        return max(1, min(MAX_DEFAULT_WORKERS, usable_cpus() - 1))  # a CPU left for the database and clients
 
     @property
     def effective_database_url(self) -> str:
