@@ -334,3 +334,15 @@ async def test_replicas_of_a_users_pipeline_are_quoted_and_planned_replica_major
     order = sorted(status["placement"], key=lambda p: (p["replica"], p["stage"]))
     assert [x["name"] for x in topo["sites"]] == [p["site"] for p in order]
     assert train["strategy"]["name"] == "pipeline" and train["strategy"]["stages"] == 2
+
+
+async def test_auto_code_too_big_for_any_gpu_names_its_memory_and_the_pipeline_as_a_way_out(api, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    await _register(api, memory_gb=24)  # a 20 B-parameter model does not fit a 24 GB GPU whole
+    code = await _bundle(api, tmp_path)
+    resp = await submit(api, _code_job("big", code, {"parameters": 20_000_000_000}))
+    body = await resp.json()
+    assert resp.status == 422, body.get("status")
+    error = body["error"]
+    head, _, tail = error["message"].partition(", or let CPN cut it into pipeline stages across sites: ")
+    assert "80.0 GB per GPU" in head and tail.startswith("spec.model.layers 1 (unset: 1)"), error
+    assert error["field"] == "spec.model", error  # the binding constraint is the model's memory

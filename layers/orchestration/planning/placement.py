@@ -205,6 +205,15 @@ def pipeline_mode(req: JobRequirements) -> str:
     return "may" if req.strategy == "auto" and pipeline.allowed(req) is None else "never"
 
 
+def _pipeline_hint(req: JobRequirements, why: Infeasible | None) -> Infeasible | None:
+    """A user's model too big for any GPU, with strategy auto but not described enough to be cut: the
+    reason, and what would let the planner place it as a pipeline instead."""
+    cannot = pipeline.allowed(req)
+    if why is None or why.field != "spec.model" or req.strategy != "auto" or cannot is None:
+        return why
+    return Infeasible(f"{why.message}, or let CPN cut it into pipeline stages across sites: {cannot}", field=why.field)
+
+
 def _best(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
           solver: str) -> tuple[Plan | None, Infeasible | None]:
     """(the best plan, None) or (None, why nothing fits): data parallel, a pipeline, or the better of
@@ -221,7 +230,7 @@ def _best(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink]
         except Infeasible as exc:
             why = exc
         if mode == "never" or (whole is None and why is not None and why.field != "spec.model"):
-            return whole, why  # only a model too big for one GPU makes a pipeline worth a look
+            return whole, _pipeline_hint(req, why)  # only a model too big for one GPU makes a pipeline worth a look
     staged_problem = build_problem(req, offers, links, objective, whole_replica=False)
     if whole is not None and pipeline.lower_bound_seconds(staged_problem) >= whole.prediction.total_seconds:
         return whole, None  # no pipeline can be faster
