@@ -91,7 +91,7 @@ class Relay:
             return
         try:
             response = self.client.post(f"{self.spec.job_path}/metrics", json={"reports": self.pending[:500]})
-            if response.status_code == 429 or response.status_code >= 500:
+            if response.status_code == 429 or response.status_code >= 500 or _stale(response):
                 response.raise_for_status()
         except httpx.HTTPError as exc:  # the API may be restarting or busy: keep and retry
             print(f"metrics relay: {exc}", file=sys.stderr, flush=True)
@@ -100,6 +100,16 @@ class Relay:
         if response.is_error:  # refused for good (the job ended, a bad report): retrying cannot help
             print(f"metrics relay: {response.status_code} {response.text[:200]}", file=sys.stderr, flush=True)
         del self.pending[:500]
+
+
+def _stale(response: httpx.Response) -> bool:
+    """A 409 because the job changed while the reports were written: nothing was kept, send them again."""
+    if response.status_code != 409:
+        return False
+    try:
+        return response.json()["error"]["code"] == "stale"
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 @dataclass

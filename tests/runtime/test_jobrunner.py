@@ -46,6 +46,25 @@ def test_a_busy_api_keeps_the_batch_and_a_refusal_drops_it(tmp_path: Path) -> No
     assert relay.pending == []
 
 
+def test_a_batch_refused_because_the_job_changed_meanwhile_is_sent_again(tmp_path: Path) -> None:
+    """409 stale: the server kept nothing (seen in CI: the byo-text job's first val loss was lost so)."""
+    answers = [(409, {"error": {"code": "stale", "message": "changed by someone else"}}), (200, {"accepted": 2})]
+    seen: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(len(json.loads(request.content)["reports"]))
+        status, body = answers[len(seen) - 1]
+        return httpx.Response(status, json=body)
+
+    relay = jobrunner.Relay(tmp_path, spec_of(), httpx.Client(base_url="http://api.test",
+                                                              transport=httpx.MockTransport(handler)))
+    relay.pending = [{"rank": 0, "site": 0, "step": i} for i in range(2)]
+    relay.flush()
+    assert len(relay.pending) == 2
+    relay.flush()
+    assert relay.pending == [] and seen == [2, 2]
+
+
 def test_the_sub_task_ends_only_after_its_last_metrics_are_sent(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = tmp_path / "run"
