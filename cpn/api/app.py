@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
-import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -110,7 +109,7 @@ def serve(settings: Settings) -> None:
         app.on_startup.append(_tune_gc)
         web.run_app(app, sock=shared, print=None, **_LIMITS)
 
-    raise SystemExit(workers.run(count, socks, start, os.environ.get(workers.MULTIPROC_ENV)))
+    raise SystemExit(workers.run(count, socks, start))
 
 
 # long request lines (label selectors, continue tokens) get a JSON 4xx from CPN, not aiohttp's text 400

@@ -27,23 +27,21 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it when first imported
 STOP_SECONDS = 30.0  # how long the parent waits for stopped workers before killing them
 _PR_SET_PDEATHSIG = 1
 log = logging.getLogger("cpn.api")
+_made: list[str] = []  # the metrics directory prepare_metrics made (an operator's own is left alone)
 
 
-def prepare_metrics(workers: int) -> str | None:
+def prepare_metrics(workers: int) -> None:
     """Before anything imports prometheus_client: with several workers, keep its values in files (in
-    the operator's ``PROMETHEUS_MULTIPROC_DIR`` when set, else a directory removed at exit)."""
-    if workers <= 1:
-        return None
-    if os.environ.get(MULTIPROC_ENV):
-        return None
-    path = tempfile.mkdtemp(prefix="cpn-metrics-")
-    os.environ[MULTIPROC_ENV] = path
-    return path
+    the operator's ``PROMETHEUS_MULTIPROC_DIR`` when set, else a directory :func:`run` removes at exit)."""
+    if workers > 1 and not os.environ.get(MULTIPROC_ENV):
+        _made.append(tempfile.mkdtemp(prefix="cpn-metrics-"))
+        os.environ[MULTIPROC_ENV] = _made[-1]
 
 
 def shared_metrics() -> bool:
@@ -76,8 +74,15 @@ def bind(host: str, port: int, backlog: int) -> list[socket.socket]:
     return socks
 
 
-def run(workers: int, socks: list[socket.socket], start: Callable[[list[socket.socket], int], None],
-        metrics_dir: str | None = None) -> int:
+def worker_pids(pid: int) -> list[int]:
+    """The processes ``pid`` forked (a server's workers), from /proc; none where there is no such process."""
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def run(workers: int, socks: list[socket.socket], start: Callable[[list[socket.socket], int], None]) -> int:
     """Fork ``workers`` processes running ``start(socks, index)``; the exit status of the server."""
     children: dict[int, int] = {}
     for index in range(workers):
@@ -110,8 +115,8 @@ def run(workers: int, socks: list[socket.socket], start: Callable[[list[socket.s
                 stopping.append(0)
                 _stop_all(children)
     finally:
-        if metrics_dir:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+        for path in _made:
+            shutil.rmtree(path, ignore_errors=True)
     return status
 
 

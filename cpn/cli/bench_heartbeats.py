@@ -29,6 +29,7 @@ import click
 import httpx
 from sqlalchemy.engine import make_url
 
+from cpn.api.workers import worker_pids
 from cpn.cli.bench_api import DOCS, SCRATCH_DB, _pct, _reset, _token, _wait
 from cpn.runtime.launcher import free_port
 
@@ -61,24 +62,17 @@ def _server(database_url: str, src: Path | None = None) -> Iterator[tuple[str, d
 
 
 def _cpu_seconds(pid: int) -> float | None:
-    """CPU seconds the server has used (user + system), from /proc: its process and its worker processes
-    (``cpn serve`` forks one per CPU on PostgreSQL); None where there is none. On a shared machine this,
-    per request, is steadier than wall time."""
+    """CPU seconds the server has used (user + system), from /proc: its process and the worker processes
+    it forked (``cpn serve --workers``); None where there is none. On a shared machine this, per request,
+    is steadier than wall time."""
     total = None
-    for proc in [pid, *_children(pid)]:
+    for proc in [pid, *worker_pids(pid)]:
         try:
             fields = Path(f"/proc/{proc}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         total = (total or 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def _measured(pid: int, run: Any) -> dict[str, Any]:
@@ -88,7 +82,7 @@ def _measured(pid: int, run: Any) -> dict[str, Any]:
     after = _cpu_seconds(pid)
     if before is not None and after is not None and result["requests"]:
         result["server_cpu_ms_per_request"] = round((after - before) * 1000 / result["requests"], 1)
-    result["server_workers"] = max(1, len(_children(pid)))
+    result["server_workers"] = max(1, len(worker_pids(pid)))
     return result
 
 

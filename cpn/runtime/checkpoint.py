@@ -9,10 +9,10 @@ Layout under the checkpoint directory::
 
 Every file is written to a temporary name and renamed, so a crash leaves either the old checkpoint
 or the new one. ``latest.json`` moves only after every live site leader has reported its file
-written (through the job's store), so it never points at a half-written step. Rank 0 does not wait
-for the files in the step: the commit is polled between steps (:class:`PendingCommit`), so a site
-that died before writing costs the others nothing; after ``COMMIT_TIMEOUT_SECONDS`` the step is
-committed with the sites that wrote. A site missing from the latest step (it had died) rejoins from
+written (through the job's store), so it never points at a half-written step. Rank 0 waits for the
+files only ``COMMIT_GRACE_SECONDS`` in the step; a step still incomplete then is committed between
+later steps (:class:`PendingCommit`), so a site that died before writing costs the others no more;
+after ``COMMIT_TIMEOUT_SECONDS`` the step is committed with the sites that wrote. A site missing from the latest step (it had died) rejoins from
 ``global.pt``.
 """
 

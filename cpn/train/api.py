@@ -39,6 +39,7 @@ from cpn.runtime.groups import Groups, init_groups
 from cpn.runtime.metrics import Recorder, default_sinks, gather_finals, summarize, write_summary
 from cpn.runtime.strategies import Context, Strategy, build_strategy
 from cpn.runtime.strategies.base import flat_params, load_flat
+from cpn.runtime.strategies.pipeline import feeder_shard
 
 __all__ = ["FINAL_MODEL", "Budget", "Job", "Trainer", "init"]
 
@@ -127,14 +128,10 @@ class Job:
 
     def _feeder(self) -> tuple[int, int]:
         """Which of how many data shards this rank reads: its rank of the world, or under the pipeline
-        its place among the first stage's ranks (D replicas × W per site), which alone read data; a
-        later stage's rank gets the same shard as its first-stage peer (and need not read it)."""
+        its first-stage place (:func:`~cpn.runtime.strategies.pipeline.feeder_shard`)."""
         if self._cfg.strategy.name != "pipeline":
             return self.rank, self.world_size
-        topo = self._groups.topology
-        stages, replicas = self._cfg.strategy.pipeline_shape(topo.num_sites)
-        width = topo.workers_per_site
-        return (self.site // stages) * width + self.local_rank, replicas * width
+        return feeder_shard(self._cfg, self._groups.topology, self.site, self.local_rank)
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
              lr_schedule: bool | None = None, broadcast: bool = True,

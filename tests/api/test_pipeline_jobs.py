@@ -67,18 +67,25 @@ def test_the_world_is_what_the_test_claims() -> None:
     assert all(perf.stage_memory_gb(req, 2, s, perf.micro_batches(req, 1), cuts) <= SMALL_GB for s in range(2))
 
 
-async def test_a_model_too_big_for_any_gpu_is_quoted_as_a_pipeline_and_accepted(api, db) -> None:  # type: ignore[no-untyped-def]
-    await _register(api)
-    resp = await submit(api, _job("staged"))
-    assert resp.status == 201, await resp.text()
-    items = await quotes(api, "staged")
+async def staged_quotes(api, name: str) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The job's three quotes, each a pipeline of stages 0 .. P-1 (P >= 2) with its ring in stage order."""
+    items = await quotes(api, name)
     assert {q["label"] for q in items} == {"cheapest", "fastest", "balanced"}
     for q in items:
         assert q["strategy"] == "pipeline", q
         stages = sorted(p["stage"] for p in q["placement"])
         assert stages == list(range(len(stages))) and len(stages) >= 2, q["placement"]
-        assert len({p["site"] for p in q["placement"]}) == len(stages)  # one site per stage
         assert q["ring"] == [p["site"] for p in sorted(q["placement"], key=lambda p: p["stage"])]
+    return items
+
+
+async def test_a_model_too_big_for_any_gpu_is_quoted_as_a_pipeline_and_accepted(api, db) -> None:  # type: ignore[no-untyped-def]
+    await _register(api)
+    resp = await submit(api, _job("staged"))
+    assert resp.status == 201, await resp.text()
+    items = await staged_quotes(api, "staged")
+    for q in items:
+        assert len({p["site"] for p in q["placement"]}) == len(q["placement"])  # one site per stage
         assert q["placementSummary"].startswith("s0:") and ">s1:" in q["placementSummary"], q["placementSummary"]
     balanced = next(q for q in items if q["label"] == "balanced")
     # the slow fra–waw link (1 Gbit/s against 10) carries no cut of a two-stage pipeline
@@ -259,13 +266,7 @@ async def test_a_users_sequential_is_quoted_in_stages_priced_by_its_own_cut_and_
     code = await _bundle(api, tmp_path)
     resp = await submit(api, _code_job("seq", code, strategy="pipeline"))
     assert resp.status == 201, await resp.text()
-    items = await quotes(api, "seq")
-    assert {q["label"] for q in items} == {"cheapest", "fastest", "balanced"}
-    for q in items:
-        assert q["strategy"] == "pipeline", q
-        stages = sorted(p["stage"] for p in q["placement"])
-        assert stages == list(range(len(stages))) and len(stages) >= 2, q["placement"]
-        assert q["ring"] == [p["site"] for p in sorted(q["placement"], key=lambda p: p["stage"])]
+    await staged_quotes(api, "seq")
     stored = await _stored(db, "seq")
     assert len(stored) == 3
     for stages, pred in stored:  # per step: each cut units x hidden x seqLen x 4 B each way, 1 B of targets a unit

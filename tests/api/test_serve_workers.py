@@ -14,15 +14,9 @@ from pathlib import Path
 
 import httpx
 
+from cpn.api.workers import worker_pids
 from tests.conftest import DatabaseFactory, start_server
 from tests.e2e.test_replicas import _pg
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def _alive(pid: int) -> bool:
@@ -38,7 +32,7 @@ def test_two_workers_share_the_port_one_leads_and_metrics_count_both(tmp_path: P
     factory = DatabaseFactory(tmp_path / "db", _pg())
     server = start_server(factory.new(), tmp_path, {"CPN_WORKERS": "2"})
     try:
-        workers = _children(server.proc.pid)
+        workers = worker_pids(server.proc.pid)
         assert len(workers) == 2, workers
         roles: dict[str, int] = {}
         deadline = time.monotonic() + 30

@@ -45,6 +45,7 @@ as WAN bytes (``wan_eval_bytes``), not part of the training traffic.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ from cpn.runtime.stages import LMUnits, Stage, cut_units, units_of
 from cpn.runtime.strategies.base import Context, Strategy, make_optimizer, site_broadcast, weigh
 from cpn.runtime.topology import Topology
 
-__all__ = ["Pipeline", "ideal_bubble"]
+__all__ = ["Pipeline", "feeder_shard", "ideal_bubble"]
 
 TIED_TAG, TARGET_TAG, GATHER_TAG, STEP_TAG = 1, 2, 3, 4
 MICRO_TAG = 16  # micro-batch i's activations go with tag MICRO_TAG + 2i, their gradients with MICRO_TAG + 2i + 1
@@ -75,6 +76,15 @@ WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torc
                torch.int8, torch.uint8, torch.bool)
 STATS_KEY = "cpn/pipeline"
 REPLICA_TIMEOUT_SECONDS = 1800.0  # how long a stage's leader waits for the other replicas' copies
+
+
+def feeder_shard(cfg: TrainConfig, topology: Topology, site: int, local_rank: int) -> tuple[int, int]:
+    """Which of how many data shards a rank at ``site`` reads: only the first stage's ranks read data,
+    D replicas × W per site of them, local rank j of replica d the shard d·W + j (a later stage's rank
+    gets its first-stage peer's shard)."""
+    stages, replicas = cfg.strategy.pipeline_shape(topology.num_sites)
+    width = topology.workers_per_site
+    return (site // stages) * width + local_rank, replicas * width
 
 
 def ideal_bubble(stages: int, micro_batches: int) -> float:
@@ -150,8 +160,9 @@ class Pipeline(Strategy):
         self.takes_inputs = not self.builtin and self.stage.has_embed
         if self.stage.has_embed and self.builtin:  # the stage's ranks split the whole corpus (the worker's own sampler has 1/world)
             train = split_corpus(load_corpus(self.cfg.corpus_bytes)).train
-            self.sampler = ShardSampler(train, shard=self.replica * self.W + self.local, num_shards=self.D * self.W,
-                                        seq_len=self.cfg.seq_len, seed=self.cfg.seed)
+            shard, shards = feeder_shard(self.cfg, topo, ctx.site, self.local)
+            self.sampler = ShardSampler(train, shard=shard, num_shards=shards, seq_len=self.cfg.seq_len,
+                                        seed=self.cfg.seed)
         self.my_tokens = self.stage_tokens = self.step_tokens = 0
         self._gathered = self._averaged = -1
         self.copies = self._replica_group(topo)
@@ -282,9 +293,7 @@ class Pipeline(Strategy):
 
     def _recv_described(self, header: Tensor, src: int, tag: int) -> Tensor:
         dtype, shape = _described(header)
-        n = 1
-        for k in shape:
-            n *= k
+        n = math.prod(shape)
         wire = torch.empty(n * _itemsize(dtype), dtype=torch.uint8, device=HOST)
         self._recv(wire, src, tag)
         return wire.view(dtype).view(shape)
@@ -371,9 +380,7 @@ class Pipeline(Strategy):
         self._send(flat.contiguous(), dst, tag, kind)
 
     def _recv_tensor(self, shape: tuple[int, ...], src: int, tag: int) -> Tensor:
-        n = 1
-        for k in shape:
-            n *= k
+        n = math.prod(shape)
         if self.codec is None:
             buf = torch.empty(n, device=HOST)
             self._recv(buf, src, tag)
@@ -426,7 +433,7 @@ class Pipeline(Strategy):
         if self.D > 1 and self.H > 1 and done % self.H == 0:
             self._average(done)
         if done % self.cfg.val_every == 0:
-            self._gather(done)
+            self.gather(done)
 
     # ------------------------------------------------------------------ across replicas
     def _replica_allreduce(self, tensors: list[Tensor], scale: float) -> None:
@@ -465,9 +472,6 @@ class Pipeline(Strategy):
         grad.add_(incoming.view_as(grad).to(grad.device, grad.dtype))
 
     def gather(self, step: int) -> None:
-        self._gather(step)
-
-    def _gather(self, step: int) -> None:
         """Every later stage's parameters to rank 0, whose whole model the loop evaluates."""
         if step == self._gathered or self.P == 1:
             return
@@ -500,7 +504,7 @@ class Pipeline(Strategy):
     def finish(self, step: int) -> None:
         if self.D > 1 and self.H > 1:
             self._average(step)
-        self._gather(step)
+        self.gather(step)
         record = {"idle": self.stats.idle, "schedule": self.stats.schedule, "activation": self.stats.activation_bytes,
                   "gradient": self.stats.gradient_bytes, "eval": self.stats.eval_bytes,
                   "replica": self.stats.replica_bytes}
