@@ -20,6 +20,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PUBLIC_PREFIXES = ("/healthz", "/metrics", "/api/v1/openapi.json", "/api/v1/kinds", "/ui", "/favicon")
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 PRINCIPAL = "principal"
+AUDIT = "audit"  # the request's audit.Pending (mutating requests of a principal)
 
 
 def principal_of(request: web.Request) -> Principal:
@@ -98,9 +99,13 @@ def _worker_may(request: web.Request, job: str) -> bool:
 
 @web.middleware
 async def audit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Record every mutating request with its outcome, in its own transaction."""
+    """Record every mutating request with its outcome, in its own transaction — or in the handler's
+    own one-statement write when it carried the row (audit.Pending)."""
     if request.method not in MUTATING or _public(request):
         return await handler(request)
+    principal = request.get(PRINCIPAL)
+    pending = request[AUDIT] = None if principal is None else audit.Pending(
+        principal, request.method, request.path_qs, request.get("request_id"))
     status, result = 500, "internal"
     try:
         response = await handler(request)
@@ -110,8 +115,7 @@ async def audit_middleware(request: web.Request, handler: Handler) -> web.Stream
         status, result = exc.status, exc.code
         raise
     finally:
-        principal = request.get(PRINCIPAL)
-        if principal is not None:
+        if pending is not None and pending.written != status:
             try:
                 await audit.write(request.app[state.DB], principal, request.method, request.path_qs, status, result,
                                   request.get("request_id"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -196,6 +197,38 @@ async def stored_catalogue(session: AsyncSession, also: tuple[Any, ...] = (),
     held = _catalogues.get(where)
     if held is not None and held.stamp == stamp:
         return held, extra
+    return await _load_once(session, where, stamp), extra
+
+
+_loading: dict[str, tuple[tuple[Any, ...], asyncio.Future[_Catalogue | None]]] = {}  # URL → (stamp, load)
+
+
+async def _load_once(session: AsyncSession, where: str, stamp: tuple[Any, ...]) -> _Catalogue:
+    """The catalogue at `stamp`, loaded by one request of this process while the others that read the
+    same stamp wait for it: at a burst's start (or after a write) every request in flight used to miss
+    the copy together and each load and decode the whole catalogue (a tenth of a cold 1,000-quote
+    burst's CPU, docs/benchmarks/api.md). A waiter whose loader failed loads by itself."""
+    loop = asyncio.get_running_loop()
+    pending = _loading.get(where)
+    if pending is not None and pending[0] == stamp and pending[1].get_loop() is loop:
+        shared = await asyncio.shield(pending[1])
+        if shared is not None:
+            return shared
+    future: asyncio.Future[_Catalogue | None] = loop.create_future()
+    _loading[where] = (stamp, future)
+    loaded = None
+    try:
+        loaded = await _load(session, stamp)
+        _catalogues[where] = loaded
+        return loaded
+    finally:
+        future.set_result(loaded)
+        if _loading.get(where, (None, None))[1] is future:
+            del _loading[where]
+
+
+async def _load(session: AsyncSession, stamp: tuple[Any, ...]) -> _Catalogue:
+    """The catalogue's rows, read after `stamp` was (so they are at least as new as it says)."""
     rows = (await session.execute(select(ClusterRow, SiteRow).join(SiteRow, SiteRow.id == ClusterRow.site_id)
                                   .where(ClusterRow.name.not_like(f"{RETIRED}%"))  # retired: no new work
                                   .order_by(ClusterRow.name))).all()
@@ -206,5 +239,4 @@ async def stored_catalogue(session: AsyncSession, also: tuple[Any, ...] = (),
     links = tuple(LinkView(name=r.name, a=r.spec["a"], b=r.spec["b"], bandwidth_gbps=float(r.spec["bandwidthGbps"]),
                            rtt_ms=float(r.spec["rttMs"]), price_per_gb=str(r.spec["pricePerGB"]), owner_id=r.owner_id)
                   for r in (await session.execute(select(LinkRow).order_by(LinkRow.name))).scalars())
-    _catalogues[where] = held = _Catalogue(stamp, clusters, links)
-    return held, extra
+    return _Catalogue(stamp, clusters, links)

@@ -100,8 +100,8 @@ async def test_quotes_follow_a_price_change_between_two_submissions(api) -> None
 async def test_a_submission_writes_its_job_events_and_quotes_in_few_statements(api, db) -> None:
     """The submission: one market round trip (catalogue stamp, leases, calibrations, the owner's Dataset
     of that name, how many jobs hold its Idempotency-Key or name), then its writes — on PostgreSQL one
-    INSERT statement (the job and its events as data-modifying WITHs of the quotes' INSERT) outside a
-    transaction, on SQLite one INSERT each for the job, its events, its quotes; reading its quotes is one
+    INSERT statement (the job, its events and the request's audit row as data-modifying WITHs of the
+    quotes' INSERT) outside a transaction, on SQLite one INSERT each for the job, its events, its quotes; reading its quotes is one
     statement."""
     await register_world(api)
     assert (await submit(api, job("warm"))).status == 201  # the catalogue loaded once
@@ -121,14 +121,19 @@ async def test_a_submission_writes_its_job_events_and_quotes_in_few_statements(a
         items = await quotes(api, "counted")
     finally:
         event.remove(db.engine.sync_engine, "before_cursor_execute", count)
-    handler = [s for s in statements[:posted] if "audit_records" not in s and "rate_buckets" not in s  # middlewares'
-               and not s.startswith(("SELECT tokens", "WITH bucket"))]
+    handler = [s for s in statements[:posted] if not s.startswith(("INSERT INTO audit_records", "SELECT tokens",
+                                                                   "WITH bucket"))  # middlewares'
+               and "rate_buckets" not in s]
     writes = [s for s in handler if not s.startswith("SELECT ")]
     if db.is_sqlite:
         assert len(handler) <= 4 and len(writes) == 3 and all(s.startswith("INSERT") for s in writes), statements
     else:
         assert len(handler) == 2 and len(writes) == 1 and writes[0].startswith("WITH new_"), statements
-        assert all(f"INSERT INTO {table} " in full[-1] for table in ("jobs", "events", "quotes")), full[-1]
+        assert all(f"INSERT INTO {table} " in full[-1] for table in ("jobs", "events", "quotes", "audit_records")), \
+            full[-1]
+        # the request's audit row rides in that INSERT: no audit statement of its own, 3 statements in all
+        assert len(statements[:posted]) == 3 and not any(s.startswith("INSERT INTO audit_records")
+                                                         for s in statements[:posted]), statements
     read = [s for s in statements[posted:] if not s.startswith(("SELECT tokens", "WITH bucket"))]
     assert len(read) == 1 and read[0].startswith("SELECT"), statements
     assert {q["label"] for q in items} == {"cheapest", "fastest", "balanced"}

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from cpn.api import state
 from cpn.api.bodies import json_response, read_raw
-from cpn.api.middleware import principal_of
+from cpn.api.middleware import AUDIT, principal_of
 from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
 from cpn.core import errors
@@ -72,7 +72,8 @@ def _handlers(kind: Kind) -> dict[str, Any]:
             if _dry_run(request):
                 return json_response(await _preview(store, s, principal_of(request), body))
             if submit is not None:  # kinds with a workflow behind creation (jobs: plan and quote)
-                out, created = await submit(s, principal_of(request), body, request.headers.get("Idempotency-Key"))
+                out, created = await submit(s, principal_of(request), body, request.headers.get("Idempotency-Key"),
+                                            audit=request.get(AUDIT))
                 return json_response(out, status=201 if created else 200)
             out = await store.create(s, principal_of(request), body)
         return json_response(out, status=201)

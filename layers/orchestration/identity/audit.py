@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -30,6 +32,30 @@ async def write(db: Database, principal: Principal | None, method: str, path: st
 
 
 _INSERT = insert(AuditRecord)
+
+
+@dataclass
+class Pending:
+    """A mutating request's audit row before it is written. The audit middleware writes it after the
+    handler, in a round trip of its own, unless a handler whose write is one atomic statement carried
+    it in that statement (`ride_along`, workflow.submit): then the row is durable exactly when the
+    request's own write is, and the request costs one round trip less. `written`: the status the
+    carried row says; the middleware still writes its own row if the answer ended otherwise."""
+
+    principal: Principal
+    method: str
+    path: str
+    request_id: str | None
+    written: int | None = None
+
+    def ride_along(self, session: AsyncSession, status: int) -> AuditRecord:
+        """Add this request's row, with `status` and result "ok", to the session's pending rows; the
+        caller sets `written` once the statement that writes them succeeded."""
+        row = AuditRecord(account_id=self.principal.account_id, account_name=self.principal.name,
+                          method=self.method, path=self.path[:512], status=status, result="ok",
+                          request_id=self.request_id)
+        session.add(row)
+        return row
 
 
 async def recent(session: AsyncSession, principal: Principal, limit: int = 100) -> list[AuditRecord]:

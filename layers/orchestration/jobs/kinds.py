@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from cpn.core import errors
 from cpn.core.kinds import AGE, Column, Kind, KindRegistry
 from cpn.core.principal import Principal
+from layers.orchestration.identity.audit import Pending
 from layers.orchestration.jobs import workflow
 from layers.orchestration.jobs.retire import forget
 from layers.service.jobs import JobStore
@@ -36,9 +37,9 @@ class OrchestratedJobStore(JobStore):
                                       field="spec.code.digest")
 
     async def submit(self, session: AsyncSession, principal: Principal, body: Any,
-                     idempotency_key: str | None) -> tuple[dict[str, Any], bool]:
+                     idempotency_key: str | None, *, audit: Pending | None = None) -> tuple[dict[str, Any], bool]:
         self.check_code(principal, body)
-        return await workflow.submit(session, principal, body, idempotency_key, self.timeouts)
+        return await workflow.submit(session, principal, body, idempotency_key, self.timeouts, audit=audit)
 
     async def preview(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
         self.check_code(principal, body)

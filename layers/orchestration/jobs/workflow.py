@@ -19,6 +19,7 @@ from cpn.core.settings import Settings
 from cpn.core.store import split_key
 from layers.control import capacity
 from layers.orchestration.events import record_event
+from layers.orchestration.identity.audit import Pending
 from layers.orchestration.jobs import data, profile
 from layers.orchestration.jobs.requirements import objective, planner_inputs_of, prediction_dict, requirements
 from layers.orchestration.lifecycle import learning
@@ -47,6 +48,7 @@ class Timeouts:
                    lease_ttl=timedelta(seconds=settings.lease_ttl_seconds))
 
 
+CREATED = 201  # the answer to a submission that created its job (what its carried audit row says)
 EXACT_MAX_OFFERS = 12  # beyond this the MILP takes seconds; the heuristic stays within a few % (bench scheduler)
 
 
@@ -56,9 +58,10 @@ def solver_for(offers: int) -> str:
 
 
 async def submit(session: AsyncSession, principal: Principal, body: Any, idempotency_key: str | None,
-                 t: Timeouts) -> tuple[dict[str, Any], bool]:
+                 t: Timeouts, *, audit: Pending | None = None) -> tuple[dict[str, Any], bool]:
     """Create a job and quote it. A retried submission with the same Idempotency-Key returns the
-    same job (and False: not created)."""
+    same job (and False: not created). `audit`: the request's audit row, written by the submission's
+    one INSERT statement where there is one (PostgreSQL) as a created (201) answer."""
     store = JobStore()
     obj = store.parse(body)
     key = store.new_key(principal, obj)
@@ -93,7 +96,11 @@ async def submit(session: AsyncSession, principal: Principal, body: Any, idempot
     with session.no_autoflush:
         await requote(session, job, t, now, fresh=True, market=market)
     if one_statement:
+        if audit is not None:
+            audit.ride_along(session, CREATED)
         await _insert_new(session)
+        if audit is not None:
+            audit.written = CREATED
     else:
         await session.flush()
     return store.to_manifest(principal, job), True
