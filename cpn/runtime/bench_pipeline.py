@@ -228,7 +228,8 @@ def write_markdown(report: dict[str, Any], out_dir: Path) -> Path:
         "per site, 1F1B micro-batches) against `ddp` on the same sites, model and token budget. Wall seconds "
         "exclude process start-up. WAN bytes are what crossed sites: for the pipeline, activations (and the "
         "targets, one byte a token) forward, their gradients and the tied token table's gradient backward, and "
-        "the stages' parameters sent to rank 0 before each validation (`eval`). The bubble is the share of the "
+        "`eval`: each validation's windows through the stages (activations, targets and the loss back to rank 0) "
+        "plus the later stages' parameters sent to rank 0 once at the end, for the final weights. The bubble is the share of the "
         "schedule a rank sat waiting for a neighbour (pipeline fill and drain *and* WAN transfer).", "",
         f"`{report['command']}`", "",
         f"{o['sites']} sites × {o['workers_per_site']} workers, "

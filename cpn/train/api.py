@@ -423,6 +423,8 @@ class Trainer:
         self._closed = True
         if not self._finished:  # the loop stopped before the budget: end here (the summary says how far)
             self._finish()
+        self.strategy.publish()
+        self._final["wanBytes"] = self.ctx.timers.wan_bytes  # with what the loop's last validation moved
         self._publish_final()
         self.recorder.close()
         if self.ctx.rank != 0:

@@ -64,9 +64,13 @@ def train(job: Job) -> Trainer:
     trainer = job.wrap(model, broadcast=False)
 
     def validate() -> None:
-        if job.rank == 0:
+        if trainer.pipelined:  # through the stages, on every rank: no site holds the whole model
+            with trainer.evaluating():
+                loss = trainer.strategy.evaluate(val)
+        elif job.rank == 0:
             with trainer.evaluating():
                 loss = evaluate(model, val, cfg.device.precision)
+        if job.rank == 0:
             trainer.report(val_loss=loss)
 
     validate()

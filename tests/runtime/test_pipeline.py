@@ -112,6 +112,22 @@ def test_a_resumed_pipeline_ends_where_an_uninterrupted_one_does(tmp_path: Path)
         torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_validation_runs_through_the_stages_and_moves_activations_not_parameters(tmp_path: Path) -> None:
+    """Each validation feeds rank 0's windows through the stages (the same losses as the whole model
+    in one process); only the final weights bring a stage's parameters to rank 0."""
+    cfg = pipe(steps=6, extra_tokens=100, compression="none")
+    summary = run(cfg, tmp_path, 2, 1)
+    val = val_batches(split_corpus(load_corpus(cfg.corpus_bytes)).val, seq_len=cfg.seq_len, batches=cfg.val_batches)
+    assert summary["initial_val_loss"] == pytest.approx(evaluate(build_model(cfg.model, seed=cfg.seed), val), abs=1e-5)
+    assert summary["final_val_loss"] == pytest.approx(evaluate(reference(cfg, 1, [0]), val), abs=1e-4)
+    model = build_model(cfg.model)
+    rows, length = val[0][0].shape
+    per_batch = 16 + rows * length * model.cfg.d_model * 4 + rows * length  # shape, activations, byte targets
+    per_validation = 8 + cfg.val_batches * per_batch + 8  # the count, the batches, the loss back
+    final_weights = 4 * sum(p.numel() for p in Stage(model, cut_model(model, 2)[1]).owned_params())
+    assert summary["wan_eval_bytes"] == 2 * per_validation + final_weights  # the first and the last validation
+
+
 @pytest.mark.parametrize("compression", ["none", "int8"])
 def test_three_stages_lower_the_loss_and_report_bubble_and_wan_bytes(compression: str, tmp_path: Path) -> None:
     cfg = pipe(steps=40, compression=compression)

@@ -360,8 +360,12 @@ class Strategy:
             ctx.shares = proportional_shares(self.cfg.global_sequences, speeds)
         ctx.micro_batch = ctx.shares[ctx.rank]
 
+    def publish(self) -> None:
+        """Every rank, when the job closes (after the loop's last validation, before its final figures):
+        post what :meth:`summary_extras` reads from the other ranks."""
+
     def summary_extras(self) -> dict[str, Any]:
-        """Strategy-specific figures for the run summary (rank 0, after :meth:`finish`)."""
+        """Strategy-specific figures for the run summary (rank 0, after every rank's :meth:`publish`)."""
         return {}
 
     def live_sites(self) -> list[int]:

@@ -37,9 +37,13 @@ stage, which computes the user's ``loss_fn`` (a mean over the micro-batch's rows
 Shapes and dtypes are not known in advance, so each activation goes with a small header (dtype and
 shape) on its own tag; floating-point tensors cross as float32 (or the codec), others as their bytes.
 
-The training loop evaluates on rank 0 with the whole model, so before each validation (and at the
-end) every later stage's site leader of replica 0 sends its stage's parameters to rank 0: counted
-as WAN bytes (``wan_eval_bytes``), not part of the training traffic.
+Validation runs through the stages (:meth:`Pipeline.evaluate`, the built-in LM's loop calls it on
+every rank): rank 0 feeds the validation batches to stage 0, replica 0's site leaders each run their
+stage forward, the activations cross each cut as in training (with the job's codec) and the targets go
+to the last stage, which sends the mean loss back to rank 0. No stage's parameters leave their site to
+validate: what crosses is counted as ``wan_eval_bytes``, apart from the training traffic. Only at the
+end (and when a user's loop calls ``trainer.gather()`` before evaluating its own model on rank 0) does
+every later stage's leader send its parameters to rank 0, for the final weights; counted the same way.
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ from cpn.runtime.topology import Topology
 
 __all__ = ["Pipeline", "feeder_shard", "ideal_bubble"]
 
-TIED_TAG, TARGET_TAG, GATHER_TAG, STEP_TAG = 1, 2, 3, 4
+TIED_TAG, TARGET_TAG, GATHER_TAG, STEP_TAG, EVAL_COUNT_TAG, EVAL_LOSS_TAG = 1, 2, 3, 4, 5, 6
 MICRO_TAG = 16  # micro-batch i's activations go with tag MICRO_TAG + 2i, their gradients with MICRO_TAG + 2i + 1
 HEADER_TAG = 1 << 20  # a user model's activation i: its header (dtype, shape) with tag HEADER_TAG + i
+EVAL_TAG = 1 << 21  # validation batch i: its shape with tag EVAL_TAG + 3i, activations + 1, targets + 2
 MAX_DIMS = 8  # dimensions a header can describe
 DESC = 3 + MAX_DIMS  # a tensor's description: dtype, ndim, whether a gradient comes back, the dims
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -432,8 +437,6 @@ class Pipeline(Strategy):
         done = step + 1
         if self.D > 1 and self.H > 1 and done % self.H == 0:
             self._average(done)
-        if done % self.cfg.val_every == 0:
-            self.gather(done)
 
     # ------------------------------------------------------------------ across replicas
     def _replica_allreduce(self, tensors: list[Tensor], scale: float) -> None:
@@ -491,12 +494,74 @@ class Pipeline(Strategy):
                 self._send(flat_params_of(self.stage.owned_params()), 0, GATHER_TAG, "eval")
                 self._wait_sends()
 
-    def load_state(self, site_state: dict[str, Any] | None, global_state: dict[str, Any]) -> None:
-        """Each site's checkpoint holds its own stage; rank 0 then fetches the others' (its first
-        evaluation after a resume is of the checkpointed model, not of site 0's stale copies)."""
-        super().load_state(site_state, global_state)
-        if self.P > 1:
-            self._gather_to_rank0()
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[Tensor, Tensor]]) -> float | None:
+        """The built-in LM's mean loss over ``batches`` (rank 0's validation windows), computed through
+        replica 0's stages: rank 0 feeds them, each stage's site leader runs its stage, the last sends the
+        mean back. Every rank calls it (the others return at once); rank 0 gets the loss (NaN without
+        batches), every other rank None. The stages' parameters stay where they are."""
+        ctx = self.ctx
+        if self.replica != 0 or not ctx.is_leader:
+            return None
+        self._sends, self._idle = [], 0.0
+        if self.P == 1:
+            loss: float | None = self._eval_local(batches)
+        elif self.s == 0:
+            loss = self._eval_feed(batches)
+        else:
+            self._eval_relay()
+            loss = None
+        self._wait_sends()
+        return loss
+
+    def _eval_local(self, batches: list[tuple[Tensor, Tensor]]) -> float:
+        losses = []
+        for x, y in batches:
+            with autocast(self.ctx.device, self.cfg.device.precision):
+                losses.append(self.stage.loss(self.stage(x.to(self.ctx.device)), y.to(self.ctx.device)).item())
+        return sum(losses) / len(losses) if losses else float("nan")
+
+    def _eval_feed(self, batches: list[tuple[Tensor, Tensor]]) -> float:
+        """Stage 0: the batch count to every later stage, then each batch's shape, its activations to stage
+        1 and its targets to the last stage; finally the last stage's mean loss."""
+        later = [self._peer(stage) for stage in range(1, self.P)]
+        for peer in later:
+            self._send(torch.tensor([len(batches)], dtype=torch.int64), peer, EVAL_COUNT_TAG, "eval")
+        for i, (x, y) in enumerate(batches):
+            shape = torch.tensor(list(x.shape), dtype=torch.int64)
+            for peer in later:
+                self._send(shape.clone(), peer, EVAL_TAG + 3 * i, "eval")
+            with autocast(self.ctx.device, self.cfg.device.precision):
+                out = self.stage(x.to(self.ctx.device))
+            self._send_tensor(out, self._peer(1), EVAL_TAG + 3 * i + 1, "eval")
+            self._send(y.to(self.target_dtype).cpu().contiguous(), self._peer(self.P - 1), EVAL_TAG + 3 * i + 2, "eval")
+        loss = torch.empty(1, dtype=torch.float64)
+        self._recv(loss, self._peer(self.P - 1), EVAL_LOSS_TAG)
+        return float(loss) if batches else float("nan")
+
+    def _eval_relay(self) -> None:
+        """A later stage: each batch's activations through this stage, on to the next; the last stage
+        computes the loss against the targets stage 0 sent and returns the mean to rank 0."""
+        count = torch.empty(1, dtype=torch.int64)
+        self._recv(count, self._peer(0), EVAL_COUNT_TAG)
+        losses = []
+        for i in range(int(count)):
+            shape = torch.empty(2, dtype=torch.int64)
+            self._recv(shape, self._peer(0), EVAL_TAG + 3 * i)
+            rows, length = (int(v) for v in shape)
+            inp = self._recv_tensor((rows, length, self.d_model), self._peer(self.s - 1), EVAL_TAG + 3 * i + 1)
+            with autocast(self.ctx.device, self.cfg.device.precision):
+                out = self.stage(inp)
+            if not self.stage.has_head:
+                self._send_tensor(out, self._peer(self.s + 1), EVAL_TAG + 3 * i + 1, "eval")
+                continue
+            y = torch.empty((rows, length), dtype=self.target_dtype, device=HOST)
+            self._recv(y, self._peer(0), EVAL_TAG + 3 * i + 2)
+            losses.append(self.stage.loss(out, y.long().to(self.ctx.device)).item())
+        if self.stage.has_head:
+            mean = sum(losses) / len(losses) if losses else float("nan")
+            self._send(torch.tensor([mean], dtype=torch.float64), self._peer(0), EVAL_LOSS_TAG, "eval")
 
     def _peer_leader(self, stage: int) -> int:
         return self.ctx.groups.topology.leader_rank(stage)
@@ -505,6 +570,9 @@ class Pipeline(Strategy):
         if self.D > 1 and self.H > 1:
             self._average(step)
         self.gather(step)
+
+    def publish(self) -> None:
+        """This rank's schedule and byte counts, the last validation's included."""
         record = {"idle": self.stats.idle, "schedule": self.stats.schedule, "activation": self.stats.activation_bytes,
                   "gradient": self.stats.gradient_bytes, "eval": self.stats.eval_bytes,
                   "replica": self.stats.replica_bytes}
