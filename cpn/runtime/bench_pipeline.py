@@ -169,8 +169,9 @@ def run_benchmark(opts: PipelineBenchOptions, out_dir: Path, fit: Fit | None = N
     for _, cfg in planned:  # every run's config is checked before the first one starts
         preflight(cfg, topology)
     summaries = {}
+    runs_dir = Path(tempfile.mkdtemp(prefix="cpn-bench-pipeline-"))  # two benches at once stay apart
     for label, cfg in planned:
-        run_dir = Path(tempfile.gettempdir()) / "cpn-bench-pipeline" / label
+        run_dir = runs_dir / label
         summaries[label] = run_local(cfg, topology, wan_mbps=opts.wan_mbps, run_dir=run_dir, timeout=3 * 3600)
     ddp_loss = summaries["ddp"]["final_val_loss"] if "ddp" in summaries else None
     results = [infeasible_result(label, why_not[label]) if why_not[label] else result_of(label, summaries[label], ddp_loss)

@@ -145,9 +145,10 @@ def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[
     for _, cfg in planned:  # every run's config is checked before the first one starts
         preflight(cfg, topology)
     summaries = []
+    runs_dir = Path(tempfile.mkdtemp(prefix=f"cpn-bench-training-{opts.scenario}-"))  # two benches at once stay apart
     for label, cfg in planned:
         t0 = time.monotonic()
-        run_dir = Path(tempfile.gettempdir()) / "cpn-bench-training" / opts.scenario / label
+        run_dir = runs_dir / label
         summary = run_local(cfg, topology, wan_mbps=opts.wan_mbps, run_dir=run_dir, timeout=3 * 3600)
         summary["label"], summary["launch_seconds"] = label, round(time.monotonic() - t0, 1)
         summary["resolved"] = explain(cfg)
