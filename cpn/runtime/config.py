@@ -24,6 +24,10 @@ StrategyName = Literal["ddp", "hierarchical", "local_sgd", "diloco", "gossip", "
                        "ps_backup", "pipeline"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)  # one source: the job schema and the planner take these
 PS_STRATEGIES = ("async_ps", "ps_sync", "ps_backup")  # the parameter-server family: the servers own the optimiser
+Sampling = Literal["shard", "whole"]
+# Strategies that drop some workers' gradients by arrival order: a slow worker's own shard would be
+# under-represented, so by default their workers draw from the whole training split (StrategyConfig.data_sampling).
+WHOLE_SPLIT_STRATEGIES = ("ps_backup",)
 Compression = Literal["none", "fp16", "bf16", "int8"]
 AUTO = "auto"
 DeviceKind = Literal["auto", "cuda", "cpu"]
@@ -87,6 +91,11 @@ class StrategyConfig(_Model):
     micro_batches: int = Field(
         8, ge=1, description="pipeline: micro-batches each rank's share of a step is split into (1F1B schedule)")
     wan_timeout_seconds: float = Field(60.0, gt=0, description="a WAN exchange slower than this marks a site dead")
+    sampling: Sampling | None = Field(
+        None, description="where a worker's batches come from: 'shard' — its own contiguous 1/N of the training "
+                          "split; 'whole' — all of it, seeded by (seed, rank, step). None: 'whole' for ps_backup "
+                          "(it drops the late pushes of every step, mostly a slow worker's, whose shard would then "
+                          "be under-represented), 'shard' for the others")
 
     @model_validator(mode="after")
     def _check(self) -> StrategyConfig:
@@ -94,9 +103,31 @@ class StrategyConfig(_Model):
             raise ValueError(f"overlap is only for diloco/local_sgd, not {self.name!r}: drop --overlap")
         if self.stages is not None and self.name not in ("pipeline", AUTO):
             raise ValueError(f"stages is only for the pipeline strategy, not {self.name!r}: drop stages")
+        if self.sampling == "whole" and self.name == "pipeline":
+            raise ValueError("the pipeline feeds its stages from the feeder's shard: drop sampling='whole'")
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=false")
         return self
+
+    @property
+    def data_sampling(self) -> Sampling:
+        """``sampling``, or this strategy's default when unset.
+
+        Why ps_backup draws from the whole split: its servers apply the first N−b pushes of a step and
+        drop the rest, and under a persistent straggler most dropped pushes are the same worker's (the
+        PS straggler benchmark: 39–92 % of the slow site's pushes). With one contiguous shard per
+        worker, that shard -- a third of the corpus on 3 sites -- then made 5–35 % of the applied
+        gradients, by the luck of the timing. Chen et al.'s backup workers assume every worker samples
+        i.i.d. from the whole data set, so a dropped gradient is just a smaller batch of the same
+        distribution; drawing from the whole split makes that true whatever the drop pattern (a shard
+        rotating with the step would still skew the mix whenever drops follow the step's phase, and
+        the workers' own step counts drift apart under ps_backup). It cost nothing measurable, nor did
+        it move that benchmark's loss (docs/benchmarks/training-notes.md, "Data order under
+        ps_backup"). The other strategies apply every worker's gradient, so their shards cost nothing
+        and keep the data order the tests and benchmarks were recorded with."""
+        if self.sampling is not None:
+            return self.sampling
+        return "whole" if self.name in WHOLE_SPLIT_STRATEGIES else "shard"
 
     def pipeline_shape(self, sites: int) -> tuple[int, int]:
         """(P stages, D replicas) of a pipeline on ``sites`` sites: unset ``stages`` is one per site."""

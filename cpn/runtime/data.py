@@ -3,8 +3,10 @@
 Every machine with a Python has it offline. Files are taken in sorted order (site-packages and the
 test suite excluded) until ``max_bytes``, so the corpus is identical everywhere. The last
 ``val_fraction`` of the bytes is the fixed validation split; the rest is cut into one contiguous
-shard per worker. Batches are a pure function of (seed, shard, step), so a resumed run sees exactly
-the batches the uninterrupted one would have seen.
+shard per worker, or -- ``sampling="whole"``, ps_backup's default (see
+:attr:`cpn.runtime.config.StrategyConfig.data_sampling`) -- every worker draws from all of it. Batches
+are a pure function of (seed, rank, step), so a resumed run sees exactly the batches the
+uninterrupted one would have seen.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from cpn.runtime.config import Sampling
 
 VAL_FRACTION = 0.05
 _CACHE = Path(os.environ.get("CPN_CACHE_DIR", Path.home() / ".cache" / "cpn"))
@@ -70,11 +74,16 @@ def split_corpus(corpus: np.ndarray, val_fraction: float = VAL_FRACTION) -> Spli
 
 
 class ShardSampler:
-    """Random windows from one worker's contiguous shard, deterministic in (seed, shard, step)."""
+    """Random windows from one worker's contiguous shard, deterministic in (seed, shard, step).
 
-    def __init__(self, train: np.ndarray, *, shard: int, num_shards: int, seq_len: int, seed: int):
+    ``sampling="whole"``: the windows come from the whole training split instead (still keyed by
+    ``shard``, the worker's rank, so workers draw different windows): i.i.d. draws from the data set,
+    as strategies that drop some workers' gradients need."""
+
+    def __init__(self, train: np.ndarray, *, shard: int, num_shards: int, seq_len: int, seed: int,
+                 sampling: Sampling = "shard"):
         size = len(train) // num_shards
-        self.data = train[shard * size : (shard + 1) * size]
+        self.data = train if sampling == "whole" else train[shard * size : (shard + 1) * size]
         if len(self.data) <= seq_len + 1:
             raise ValueError(f"shard of {len(self.data)} bytes is too small for seq_len {seq_len}: use fewer workers")
         self.seq_len, self.seed, self.shard = seq_len, seed, shard

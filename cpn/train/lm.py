@@ -57,7 +57,7 @@ def train(job: Job) -> Trainer:
     device = job.device
     split = split_corpus(load_corpus(cfg.corpus_bytes))
     sampler = ShardSampler(split.train, shard=job.rank, num_shards=job.world_size, seq_len=cfg.seq_len,
-                           seed=cfg.seed)
+                           seed=cfg.seed, sampling=cfg.strategy.data_sampling)
     model = build_model(cfg.model, seed=cfg.seed, device=device)  # the same start on every rank: no broadcast
     val = val_batches(split.val, seq_len=cfg.seq_len, batches=cfg.val_batches) if job.rank == 0 else []
     val = [(x.to(device), y.to(device)) for x, y in val]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 
 import torch
 
@@ -39,6 +40,7 @@ from cpn.runtime.strategies.base import Context, grads_of, load_flat, lr_at
 from cpn.runtime.strategies.ps_replicas import FWD_LEAVE, FWD_UPDATE
 
 DROPPED = "cpn/ps/dropped"
+PUSHED = "cpn/ps/pushed"
 
 
 class RoundServer(Server):
@@ -54,6 +56,8 @@ class RoundServer(Server):
         self.count = 0
         self.gone: set[int] = set()
         self.dropped = 0
+        self.pushed_by: Counter[int] = Counter()  # per worker rank: which site's gradients the steps miss
+        self.dropped_by: Counter[int] = Counter()
         self.progress = 0.0
         self.patience = ctx.cfg.strategy.wan_timeout_seconds
 
@@ -75,6 +79,7 @@ class RoundServer(Server):
         """Count `grad` toward `step` (or drop it if that step is done); wait until `step` is applied."""
         with self.cond:
             self.progress = progress
+            self.pushed_by[worker] += 1
             if step == self.version:
                 self.acc += grad
                 self.count += 1
@@ -82,6 +87,7 @@ class RoundServer(Server):
                     self._apply_round(progress)
             else:
                 self.dropped += 1
+                self.dropped_by[worker] += 1
             deadline = time.monotonic() + self.patience
             while self.version <= step:
                 left = deadline - time.monotonic()
@@ -167,13 +173,21 @@ class SyncPS(AsyncPS):
         """Leave every server's steps (the others stop waiting for this worker), then as async_ps."""
         numel = sum(p.numel() for p in self.model.parameters())
         self._rpc(torch.zeros(numel, device=HOST), OP_LEAVE)
-        self.ctx.store.add(DROPPED, sum(getattr(s, "dropped", 0) for s in self.local.values()))
+        servers = [s for s in self.local.values() if isinstance(s, RoundServer)]
+        self.ctx.store.add(DROPPED, sum(s.dropped for s in servers))
+        for w in range(self.ctx.groups.world_size):
+            self.ctx.store.add(f"{PUSHED}/{w}", sum(s.pushed_by[w] for s in servers))
+            self.ctx.store.add(f"{DROPPED}/{w}", sum(s.dropped_by[w] for s in servers))
         super().finish(step)
 
     def summary_extras(self) -> dict[str, object]:
-        """Pushes the servers dropped as late (counted by every server before it reports done)."""
-        failovers = ps_replicas.failovers(self.ctx.store, len(self.bounds))
-        return {"ps_dropped": self.ctx.store.add(DROPPED, 0), "ps_failovers": failovers}
+        """Pushes the servers dropped as late (counted by every server before it reports done), in all
+        and per worker rank, beside the pushes each rank made (one per shard and step)."""
+        store, world = self.ctx.store, self.ctx.groups.world_size
+        failovers = ps_replicas.failovers(store, len(self.bounds))
+        return {"ps_dropped": store.add(DROPPED, 0), "ps_failovers": failovers,
+                "ps_pushed_by_rank": [store.add(f"{PUSHED}/{w}", 0) for w in range(world)],
+                "ps_dropped_by_rank": [store.add(f"{DROPPED}/{w}", 0) for w in range(world)]}
 
 
 class BackupPS(SyncPS):
