@@ -14,6 +14,7 @@ from layers.control import capacity as control_capacity
 from layers.orchestration.identity.models import AuditRecord
 from layers.resource import capacity
 from layers.service.jobs import JobStore
+from layers.service.schemas import TrainingJobManifest, TrainingJobSpec
 from tests.api.test_jobs import job, quotes, register_world, submit, world
 from tests.api.test_resource import apply
 
@@ -143,3 +144,18 @@ async def test_an_answer_that_fails_after_the_carried_row_is_audited_as_it_ended
     assert (await submit(api, job("half"))).status == 500
     # PostgreSQL: the job and its carried 201 row were written before the failure, then the middleware's 500
     assert await _audit_rows(db) == ([] if db.is_sqlite else [("alice", 201, "ok")]) + [("alice", 500, "internal")]
+
+
+async def test_a_submission_validates_its_manifest_once(api, monkeypatch) -> None:
+    """The code-bundle check's parse is the submission's parse, and the quotes are planned on that spec
+    (job.spec is its dump) instead of a third validation."""
+    await register_world(api)
+    counts = {TrainingJobManifest: 0, TrainingJobSpec: 0}
+    for model in counts:
+        def counted(cls, *args: Any, _original=model.model_validate.__func__, **kwargs: Any) -> Any:  # noqa: ANN001
+            counts[cls] += 1
+            return _original(cls, *args, **kwargs)
+
+        monkeypatch.setattr(model, "model_validate", classmethod(counted))
+    assert (await submit(api, job("once"))).status == 201
+    assert counts == {TrainingJobManifest: 1, TrainingJobSpec: 0}

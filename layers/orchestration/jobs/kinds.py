@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
@@ -27,19 +28,22 @@ class OrchestratedJobStore(JobStore):
         self.timeouts = timeouts
         self.code_exists = code_exists
 
-    def check_code(self, principal: Principal, body: Any) -> None:
-        """A job naming a code bundle this account never uploaded is refused before it is priced."""
-        spec = self.parse(body).spec  # type: ignore[attr-defined]
+    def check_code(self, principal: Principal, body: Any) -> BaseModel:
+        """A job naming a code bundle this account never uploaded is refused before it is priced.
+        Returns the parsed manifest, so that the submission does not validate the body again."""
+        obj = self.parse(body)
+        spec = obj.spec  # type: ignore[attr-defined]
         if spec.code is not None and self.code_exists is not None \
                 and not self.code_exists(principal.account_id, spec.code.digest):
             raise errors.InvalidInput(f"no code bundle {spec.code.digest} in your account: `cpnctl apply -f "
                                       "job.yaml` packs spec.code.path and uploads it (PUT /api/v1/bundles/{sha256})",
                                       field="spec.code.digest")
+        return obj
 
     async def submit(self, session: AsyncSession, principal: Principal, body: Any,
                      idempotency_key: str | None, *, audit: Pending | None = None) -> tuple[dict[str, Any], bool]:
-        self.check_code(principal, body)
-        return await workflow.submit(session, principal, body, idempotency_key, self.timeouts, audit=audit)
+        obj = self.check_code(principal, body)
+        return await workflow.submit(session, principal, obj, idempotency_key, self.timeouts, audit=audit)
 
     async def preview(self, session: AsyncSession, principal: Principal, body: Any) -> dict[str, Any]:
         self.check_code(principal, body)

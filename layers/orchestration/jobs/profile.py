@@ -210,11 +210,15 @@ def _startup(subtasks: list[SubtaskRow], timed: int, seconds: float) -> float | 
     return round(max(0.0, whole - timed * seconds), 2)
 
 
-def current(job: JobRow) -> ProfileStatus | None:
+def current(job: JobRow, spec: TrainingJobSpec | None = None) -> ProfileStatus | None:
     """The job's profile if it still describes the job: spec.profile is on and the code is the code
-    that was timed (a changed spec is quoted as modelled; it is not profiled again)."""
-    spec, found = TrainingJobSpec.model_validate(job.spec), status_of(job).profile
-    if not spec.profile or found is None:
+    that was timed (a changed spec is quoted as modelled; it is not profiled again). `spec`: job.spec
+    already validated by the caller."""
+    spec = spec or TrainingJobSpec.model_validate(job.spec)
+    if not spec.profile:
+        return None
+    found = status_of(job).profile
+    if found is None:
         return None
     return found if found.digest == (spec.code.digest if spec.code is not None else None) else None
 

@@ -31,7 +31,7 @@ from layers.service import quotes as quotes_mod
 from layers.service.contracts import Accepted, QuoteUnavailable, accept
 from layers.service.jobs import DRAFT_PHASES, JobStore, load_job, set_phase
 from layers.service.models import JobRow, QuoteRow
-from layers.service.schemas import TrainingJobSpec, pricing_only_reason
+from layers.service.schemas import TrainingJobManifest, TrainingJobSpec, pricing_only_reason
 from layers.service.status import ProfileStatus
 
 
@@ -60,10 +60,11 @@ def solver_for(offers: int) -> str:
 async def submit(session: AsyncSession, principal: Principal, body: Any, idempotency_key: str | None,
                  t: Timeouts, *, audit: Pending | None = None) -> tuple[dict[str, Any], bool]:
     """Create a job and quote it. A retried submission with the same Idempotency-Key returns the
-    same job (and False: not created). `audit`: the request's audit row, written by the submission's
-    one INSERT statement where there is one (PostgreSQL) as a created (201) answer."""
+    same job (and False: not created). `body`: the manifest, or the store's parse of it (a caller that
+    checked it already). `audit`: the request's audit row, written by the submission's one INSERT
+    statement where there is one (PostgreSQL) as a created (201) answer."""
     store = JobStore()
-    obj = store.parse(body)
+    obj = body if isinstance(body, TrainingJobManifest) else store.parse(body)
     key = store.new_key(principal, obj)
     spec: TrainingJobSpec = obj.spec  # type: ignore[attr-defined]
     now = datetime.now(UTC)
@@ -94,7 +95,7 @@ async def submit(session: AsyncSession, principal: Principal, body: Any, idempot
         await session.flush()
         return store.to_manifest(principal, job), True
     with session.no_autoflush:
-        await requote(session, job, t, now, fresh=True, market=market)
+        await requote(session, job, t, now, fresh=True, market=market, spec=spec)
     if one_statement:
         if audit is not None:
             audit.ride_along(session, CREATED)
@@ -176,13 +177,16 @@ def _extra(market: capacity.OfferSet) -> dict[str, Any]:
 
 
 async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime | None = None, *,
-                  fresh: bool = False, market: capacity.OfferSet | None = None) -> list[dict[str, Any]]:
+                  fresh: bool = False, market: capacity.OfferSet | None = None,
+                  spec: TrainingJobSpec | None = None) -> list[dict[str, Any]]:
     """Plan the job against live capacity and store fresh quotes; the job becomes Quoted. `fresh`: the
     job is being created in this transaction (it has no quotes to supersede; the caller flushes);
-    `market`: the offer set already read for it at `now` (see _market)."""
+    `market`: the offer set already read for it at `now` (see _market); `spec`: the job's spec as the
+    submission parsed it (job.spec is its dump), instead of validating job.spec again."""
     now = now or datetime.now(UTC)
-    saved = await price_options(session, TrainingJobSpec.model_validate(job.spec), t, now, job_id=job.id,
-                                owner=(job.owner_id, split_key(job.name)[0] or ""), profiled=profile.current(job),
+    spec = spec or TrainingJobSpec.model_validate(job.spec)
+    saved = await price_options(session, spec, t, now, job_id=job.id,
+                                owner=(job.owner_id, split_key(job.name)[0] or ""), profiled=profile.current(job, spec),
                                 market=market)
     if not fresh:
         await quotes_mod.supersede_open(session, job)
