@@ -92,6 +92,11 @@ class Job:
         return self._groups.site
 
     @property
+    def site_name(self) -> str:
+        """This worker's site by name, as the job's placement and the catalogue call it (``fra-1``)."""
+        return self._groups.topology.sites[self.site].name
+
+    @property
     def num_sites(self) -> int:
         return self._groups.S
 

@@ -40,7 +40,7 @@ def main() -> None:
     job = cpn.train.init()
     cfg = {"hidden": 96, "layers": 1, "seq": 64, "lr": 3e-3, "file": _local(job.data_uri), **job.config}
     text = Path(cfg["file"]).read_bytes()
-    print(f"rank {job.rank} at site {job.site}: training on {cfg['file']} ({len(text):,} bytes)", flush=True)
+    print(f"rank {job.rank} at {job.site_name}: training on {cfg['file']} ({len(text):,} bytes)", flush=True)
     data = torch.tensor(list(text), dtype=torch.long)  # bytes: a 256-symbol vocabulary, no tokenizer
     split = int(len(data) * 0.95)
     train, val = data[:split], data[split:]

@@ -41,6 +41,7 @@ def test_user_model_trains_and_ranks_agree(strategy: str, topology: Topology, tm
     out = run(config(strategy), topology, tmp_path, args={"hidden": 24})
     world = topology.world_size
     assert [o["rank"] for o in out] == list(range(world))
+    assert [o["site_name"] for o in out] == [topology.sites[topology.site_of(r)].name for r in range(world)]
     assert all(o["strategy"] == strategy and o["world"] == world and o["config"]["hidden"] == 24 for o in out)
     assert all(o["steps"] == STEPS for o in out), [o["steps"] for o in out]  # the budget: 60 steps
     assert all(o["budget"] == [16 * 4 * STEPS, 64, STEPS] for o in out)

@@ -63,7 +63,7 @@ def main() -> None:
     trainer.report(val_loss=last)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     out = job.run_dir / f"user-rank{job.rank}.json"
-    out.write_text(json.dumps({"rank": job.rank, "site": job.site, "world": job.world_size, "strategy": job.strategy,
+    out.write_text(json.dumps({"rank": job.rank, "site": job.site, "site_name": job.site_name, "world": job.world_size, "strategy": job.strategy,
                                "first": first, "last": last, "steps": trainer.steps, "digest": digest,
                                "shard": [float(mine[0][0][0]), len(mine)],
                                "budget": [job.budget.units, job.budget.per_step, job.budget.steps],
