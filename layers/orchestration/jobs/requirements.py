@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+from cpn.core.errors import Infeasible
 from layers.control.capacity import OfferSet, PoolOffer
 from layers.orchestration.planning.types import (
     ClusterOffer,
@@ -24,6 +25,9 @@ def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequi
     auto it means the pipeline (as pipelineStages does, placement.pipeline_mode)."""
     shape = spec.model.shape()  # type: ignore[union-attr]
     deadline = deadline_seconds(spec.deadline, now or datetime.now(UTC)) if spec.deadline else None
+    if deadline is not None and deadline <= 0:
+        raise Infeasible(f"{spec.deadline} is in the past" if deadline < 0 else f"{spec.deadline} leaves no time",
+                         field="spec.deadline")
     replicas = spec.parallelism.data_replicas if spec.parallelism else 1
     strategy = "pipeline" if replicas > 1 and spec.strategy == "auto" else spec.strategy
     return JobRequirements(
@@ -92,8 +96,29 @@ def planner_inputs_of(found: OfferSet, currency: str) -> tuple[tuple[ClusterOffe
     held = found.derived.get(key)
     if held is None:
         offers, wan = planner_inputs(list(found.offers), list(found.links), currency)
+        if not offers:
+            raise nothing_to_place_on(found, currency)
         held = found.derived[key] = (Frozen(offers), Frozen(wan))
     return held
+
+
+def nothing_to_place_on(found: OfferSet, currency: str) -> Infeasible:
+    """Why an offer set leaves the planner nothing: no Ready cluster with free GPUs (before the first
+    agent heartbeat, or all leased), or none priced in the job's currency. Said here, where the
+    clusters are known, because the planner given no offers could only blame the spec's GPU models."""
+    free = [o for o in found.offers if o.free_gpus > 0]
+    if free:
+        offered = ", ".join(sorted({o.currency for o in free}))
+        return Infeasible(f"no cluster with free GPUs prices in {currency} (offered: {offered})",
+                          field="spec.currency")
+    ready = [c for c in found.clusters if c.ready]
+    if not found.clusters:
+        why = "none registered; providers apply Cluster manifests"
+    elif not ready:
+        why = f"{len(found.clusters)} registered: 0 ready; their agents report them by heartbeat"
+    else:
+        why = f"{len(found.clusters)} registered: {len(ready)} ready, their GPUs all leased or unreported"
+    return Infeasible(f"no Ready cluster has free GPUs ({why})")
 
 
 def prediction_dict(pred: Any) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from cpn.core.errors import Infeasible
+from cpn.core.manifest import distinct_durations, duration_text
 from layers.orchestration.planning import calibration, data, perf, pipeline
 from layers.orchestration.planning.ring import Key, best_ring, bottleneck, link_index
 from layers.orchestration.planning.types import (
@@ -393,8 +394,10 @@ def _models(req: JobRequirements) -> str:
 
 def _candidates(req: JobRequirements, offers: list[ClusterOffer], whole_replica: bool = True) -> list[ClusterOffer]:
     models = [o for o in offers if req.gpu_models is None or o.gpu_model in req.gpu_models]
+    if not offers:  # the caller filtered the market to Ready clusters with free GPUs in the job's currency
+        raise Infeasible(f"no Ready cluster has free GPUs priced in {req.currency}")
     if not models:
-        offered = ", ".join(sorted({o.gpu_model for o in offers})) or "none"
+        offered = ", ".join(sorted({o.gpu_model for o in offers}))
         raise Infeasible(f"no clusters offer GPU models [{', '.join(sorted(req.gpu_models or ()))}]; "
                          f"offered: {offered}", field="spec.gpus.models")
     placed = [o for o in models if (req.regions is None or o.region in req.regions)
@@ -474,23 +477,24 @@ def diagnose(problem: Problem, solver: str) -> Infeasible:
     if fastest is None:
         return Infeasible(f"no placement: no {problem.sites_min} sites with free GPUs {_where(req)} "
                           "are all linked to each other", field="spec.sites.min")
-    hours = fastest.prediction.total_seconds / 3600
     if req.deadline_seconds is not None and fastest.prediction.total_seconds > req.deadline_seconds:
-        return Infeasible(f"fastest feasible placement needs {hours:.1f} h, deadline is "
-                          f"{req.deadline_seconds / 3600:.3g} h", field="spec.deadline")
+        needs, allows = distinct_durations([fastest.prediction.total_seconds, max(req.deadline_seconds, 0.0)])
+        return Infeasible(f"fastest feasible placement needs {needs}, the deadline allows {allows}",
+                          field="spec.deadline")
     cheapest = solve(_with_objective(relaxed, Objective(cost=1.0, time=0.0)), solver)
     cost = cheapest.prediction.est_cost if cheapest else math.inf
     if req.budget is not None and cost > float(req.budget):
         return Infeasible(f"cheapest feasible placement costs {cost:.2f} {req.currency}, budget is "
                           f"{req.budget} {req.currency}", field="spec.budget")
     if req.deadline_seconds is not None and req.budget is not None:
-        return Infeasible(f"no placement meets both the deadline ({req.deadline_seconds / 3600:.3g} h) and "
-                          f"the budget ({req.budget} {req.currency}): the fastest takes {hours:.1f} h for "
+        takes, allows = distinct_durations([fastest.prediction.total_seconds, max(req.deadline_seconds, 0.0)])
+        return Infeasible(f"no placement meets both the deadline ({allows}) and "
+                          f"the budget ({req.budget} {req.currency}): the fastest takes {takes} for "
                           f"{fastest.prediction.est_cost:.2f} {req.currency}", field="spec.budget")
     o = problem.objective  # placements fit, but none scored under these weights
     return Infeasible(f"no placement could be scored with objective weights cost {o.cost:g} and time {o.time:g} "
-                      f"(the fastest fitting one takes {hours:.1f} h for {fastest.prediction.est_cost:.2f} "
-                      f"{req.currency}): use weights of similar size, e.g. cost 0.5 and time 0.5",
+                      f"(the fastest fitting one takes {duration_text(fastest.prediction.total_seconds)} for "
+                      f"{fastest.prediction.est_cost:.2f} {req.currency}): use weights of similar size, e.g. cost 0.5 and time 0.5",
                       field="spec.objective")
 
 

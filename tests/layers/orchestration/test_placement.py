@@ -80,7 +80,7 @@ def test_deadline_and_budget_are_met():
     (job(gpu_models=frozenset({"B200"})), "spec.gpus.models", "no clusters offer GPU models [B200]"),
     (job(regions=frozenset({"ap-south"})), "spec.placement.regions", "in allowed regions [ap-south]"),
     (job(sites=frozenset({"par"}), sites_min=2), "spec.sites.min", "spans 2 sites with free GPUs in allowed sites [par]; at most 1 does"),
-    (job(deadline_seconds=3600), "spec.deadline", "deadline is 1 h"),
+    (job(deadline_seconds=3600), "spec.deadline", "the deadline allows 1 h 00 min"),
     (job(budget=Decimal("100")), "spec.budget", "budget is 100 USD"),
 ])
 def test_infeasible_names_the_binding_constraint(req, field, text):
@@ -91,7 +91,7 @@ def test_infeasible_names_the_binding_constraint(req, field, text):
 
 
 def test_deadline_message_gives_the_fastest_time():
-    with pytest.raises(Infeasible, match=r"fastest feasible placement needs \d+\.\d h, deadline is 1 h"):
+    with pytest.raises(Infeasible, match=r"fastest feasible placement needs \d+ (h|d) \d+ (min|h), the deadline allows 1 h 00 min$"):
         placement.plan(job(deadline_seconds=3600), OFFERS, LINKS, BALANCED, "heuristic")
 
 
