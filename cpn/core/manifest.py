@@ -100,7 +100,32 @@ Money = Annotated[Decimal, AfterValidator(_check_money), PlainSerializer(lambda 
 
 class ManifestLoader(yaml.SafeLoader):
     """YAML 1.1 as PyYAML reads it, plus numbers in scientific notation without a dot (`1e5`,
-    `2.5E-3`), which YAML 1.1 leaves as strings but every user means as a number."""
+    `2.5E-3`), which YAML 1.1 leaves as strings but every user means as a number; a key given twice
+    in one mapping is an error (PyYAML keeps the last silently, so `tokens: 30720` then `tokens: 99`
+    would train on 99 without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            _refuse_duplicate_keys(self, node)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _refuse_duplicate_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> None:
+    """Raise at the second occurrence of a key written in `node` itself (a `<<` merge's keys may be
+    overridden: that is what merging is for)."""
+    first: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            earlier = first.setdefault(key, key_node)
+        except TypeError:  # an unhashable key: the base constructor says so
+            continue
+        if earlier is not key_node:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first set at line {earlier.start_mark.line + 1})",
+                key_node.start_mark)
 
 
 ManifestLoader.add_implicit_resolver(

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import click
 from click.core import ParameterSource
 from pydantic import ValidationError
 
-from cpn.runtime.config import TrainConfig
+from cpn.runtime.config import StrategyName, TrainConfig
 from cpn.runtime.topology import Topology
 
 # flag name -> (config path, click option kwargs)
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "strategy": ("strategy.name", {"default": "ddp", "help": "auto, ddp, hierarchical, local_sgd, diloco, gossip, ssp, async_ps, ps_sync, ps_backup, pipeline"}),
+    "strategy": ("strategy.name", {"type": click.Choice(["auto", *get_args(StrategyName)]), "default": "ddp",
+                                   "help": "cross-site strategy (auto: chosen from the sites and links)"}),
     "model": ("model", {"default": "small", "help": "model preset: tiny, small, medium, base, large"}),
     "tokens": ("tokens", {"type": int, "default": 2_000_000, "help": "token budget over all workers"}),
     "global_batch": ("global_batch_tokens", {"type": int, "default": 16_384, "help": "tokens per global step"}),
@@ -70,9 +71,18 @@ def _param_name(flag: str) -> str:
     return flag.split("/")[0]
 
 
+def _option(flag: str) -> str:
+    """The command-line spelling of a FLAGS key: `inner_steps` → `--inner-steps`."""
+    return f"--{_param_name(flag).replace('_', '-')}"
+
+
+# config path → the option that sets it: a validation error names what the user typed
+OPTION_OF = {path: _option(flag) for flag, (path, _) in FLAGS.items()}
+
+
 def config_options(fn: Any) -> Any:
     for flag, (_, kwargs) in reversed(FLAGS.items()):
-        fn = click.option(f"--{flag.replace('_', '-')}", _param_name(flag), **kwargs)(fn)
+        fn = click.option(f"--{flag.replace('_', '-')}", _param_name(flag), show_default=True, **kwargs)(fn)
     return fn
 
 
@@ -96,16 +106,32 @@ def build_config(values: dict[str, Any], base: dict[str, Any] | None = None,
 
 
 def _explain(exc: ValueError) -> str:
-    """One line: pydantic's errors with their field paths, or the message itself."""
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-    return str(exc)
+    """One line: each bad value under the option that set it (`--inner-steps: …`), or the message
+    itself; a union's per-branch errors (`strategy.name.literal[…]`) are folded into one."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    said: dict[str, str] = {}
+    for e in exc.errors():
+        where = _where(tuple(str(part) for part in e["loc"]))
+        said.setdefault(where, f"{where}: {e['msg'].removeprefix('Value error, ')}" if where else
+                        e["msg"].removeprefix("Value error, "))
+    return "; ".join(said.values())
+
+
+def _where(loc: tuple[str, ...]) -> str:
+    """The option for a config location: the longest FLAGS path it starts with, else the dotted path."""
+    for end in range(len(loc), 0, -1):
+        option = OPTION_OF.get(".".join(loc[:end]))
+        if option:
+            return option
+    return ".".join(loc)
 
 
 @click.command("train")
 @config_options
-@click.option("--sites", type=int, default=2, help="S sites")
-@click.option("--workers-per-site", type=int, default=2, help="W workers per site")
+@click.option("--sites", type=click.IntRange(min=1), default=2, show_default=True, help="S sites")
+@click.option("--workers-per-site", type=click.IntRange(min=1), default=2, show_default=True,
+              help="W workers per site")
 @click.option("--wan-mbps", type=float, default=None, help="emulate this WAN rate per site (needs root)")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None, help="metrics and summary go here")
 @click.option("--resume", "resume", type=click.Path(file_okay=False, exists=True), default=None,
@@ -119,7 +145,10 @@ def train_cmd(ctx: click.Context, sites: int, workers_per_site: int, wan_mbps: f
     from cpn.runtime.train import preflight, run_local
 
     explicit = {k for k in values if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
-    base, topology = None, Topology.uniform(sites, workers_per_site)
+    try:
+        base, topology = None, Topology.uniform(sites, workers_per_site)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     if resume:
         saved = Path(resume) / "config.json"
         base = json.loads(saved.read_text()) if saved.exists() else None

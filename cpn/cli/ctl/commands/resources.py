@@ -91,11 +91,33 @@ def describe(obj: Ctx, kind: str, name: str) -> None:
     click.echo(output.describe(manifest))
 
 
+def _read_text(source: str) -> str:
+    """The file's text; a missing or unreadable file is one line naming it, not Python's errno text."""
+    if source == "-":
+        return sys.stdin.read()
+    try:
+        return Path(source).read_text()
+    except FileNotFoundError as exc:
+        raise click.ClickException(f"{source}: no such file") from exc
+    except OSError as exc:
+        raise click.ClickException(f"{source}: {(exc.strerror or str(exc)).lower()}") from exc
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (json keeps the last silently, as PyYAML would)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
 def read_documents(source: str) -> list[dict[str, Any]]:
-    text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    text = _read_text(source)
     try:
         if source.endswith(".json") or text.lstrip().startswith(("{", "[")):
-            loaded = json.loads(text)
+            loaded = json.loads(text, object_pairs_hook=_unique_keys)
             docs = loaded if isinstance(loaded, list) else [loaded]
         else:
             docs = load_yaml_all(text, source)
@@ -104,6 +126,8 @@ def read_documents(source: str) -> list[dict[str, Any]]:
                                    f"{exc.msg}") from exc
     except ManifestSyntaxError as exc:
         raise click.ClickException(str(exc)) from exc
+    except ValueError as exc:  # _unique_keys
+        raise click.ClickException(f"{source}: malformed JSON: {exc}") from exc
     expanded: list[dict[str, Any]] = []
     for doc in docs:
         if isinstance(doc, dict) and doc.get("kind") == "List":

@@ -1,0 +1,63 @@
+"""Input errors a new user meets before any server is involved: one line naming what to fix, the option
+or file they typed, no traceback, no validator internals; `cpn train` usage errors exit 2."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    out = {**os.environ, "HOME": str(tmp_path), "CPN_CONFIG": str(tmp_path / "cpnctl.yaml"),
+           "CPN_SERVER": "http://127.0.0.1:9", "CPN_TOKEN": "t"}
+    return out
+
+
+def one_line(proc) -> str:  # type: ignore[no-untyped-def]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_apply_of_a_missing_file_names_it(env, tmp_path: Path) -> None:
+    proc = run_cli(["cpnctl", "apply", "-f", str(tmp_path / "nosuch.yaml")], env)
+    assert proc.returncode == 1
+    assert one_line(proc) == f"error: {tmp_path / 'nosuch.yaml'}: no such file"
+
+
+def test_apply_refuses_a_duplicate_key_with_file_and_line(env, tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("apiVersion: cpn/v1\nkind: TrainingJob\nmetadata: {name: dup}\n"
+                    "spec:\n  model: tiny\n  tokens: 30720\n  tokens: 99\n")
+    proc = run_cli(["cpnctl", "apply", "-f", str(path)], env)
+    assert proc.returncode == 1
+    assert one_line(proc) == (f"error: {path}: malformed YAML at line 7 column 3: duplicate key 'tokens' "
+                              "(first set at line 6)")
+    path.write_text('{"kind": "TrainingJob", "spec": {"tokens": 30720, "tokens": 99}}')
+    proc = run_cli(["cpnctl", "apply", "-f", str(path)], env)
+    assert one_line(proc) == f"error: {path}: malformed JSON: duplicate key 'tokens'"
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--strategy", "foo"], "'--strategy': 'foo' is not one of 'auto', 'ddp',"),
+    (["--inner-steps", "0"], "--inner-steps: Input should be greater than or equal to 1"),
+    (["--global-batch", "0"], "--global-batch: Input should be greater than 0"),
+    (["--sites", "0"], "'--sites': 0 is not in the range x>=1"),
+    (["--workers-per-site", "0"], "'--workers-per-site': 0 is not in the range x>=1"),
+])
+def test_cpn_train_names_the_option_and_exits_2(env, args: list[str], said: str) -> None:
+    proc = run_cli(["cpn", "train", *args], env)
+    assert proc.returncode == 2, proc.stderr
+    line = one_line(proc)
+    assert said in line, line
+    assert "literal[" not in line and "strategy.inner_steps" not in line and "global_batch_tokens" not in line
+
+
+def test_cpn_train_help_shows_defaults(env) -> None:
+    out = " ".join(run_cli(["cpn", "train", "--help"], env).stdout.split())  # help wraps at the width
+    assert "[default: ddp]" in out and "[default: 16384]" in out and "S sites [default: 2; x>=1]" in out
