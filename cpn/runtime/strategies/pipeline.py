@@ -527,27 +527,27 @@ class Pipeline(Strategy):
         1 and its targets to the last stage; finally the last stage's mean loss."""
         later = [self._peer(stage) for stage in range(1, self.P)]
         for peer in later:
-            self._send(torch.tensor([len(batches)], dtype=torch.int64), peer, EVAL_COUNT_TAG, "eval")
+            self._send(torch.tensor([len(batches)], dtype=torch.int64, device=HOST), peer, EVAL_COUNT_TAG, "eval")
         for i, (x, y) in enumerate(batches):
-            shape = torch.tensor(list(x.shape), dtype=torch.int64)
+            shape = torch.tensor(list(x.shape), dtype=torch.int64, device=HOST)
             for peer in later:
                 self._send(shape.clone(), peer, EVAL_TAG + 3 * i, "eval")
             with autocast(self.ctx.device, self.cfg.device.precision):
                 out = self.stage(x.to(self.ctx.device))
             self._send_tensor(out, self._peer(1), EVAL_TAG + 3 * i + 1, "eval")
             self._send(y.to(self.target_dtype).cpu().contiguous(), self._peer(self.P - 1), EVAL_TAG + 3 * i + 2, "eval")
-        loss = torch.empty(1, dtype=torch.float64)
+        loss = torch.empty(1, dtype=torch.float64, device=HOST)
         self._recv(loss, self._peer(self.P - 1), EVAL_LOSS_TAG)
         return float(loss) if batches else float("nan")
 
     def _eval_relay(self) -> None:
         """A later stage: each batch's activations through this stage, on to the next; the last stage
         computes the loss against the targets stage 0 sent and returns the mean to rank 0."""
-        count = torch.empty(1, dtype=torch.int64)
+        count = torch.empty(1, dtype=torch.int64, device=HOST)
         self._recv(count, self._peer(0), EVAL_COUNT_TAG)
         losses = []
         for i in range(int(count)):
-            shape = torch.empty(2, dtype=torch.int64)
+            shape = torch.empty(2, dtype=torch.int64, device=HOST)
             self._recv(shape, self._peer(0), EVAL_TAG + 3 * i)
             rows, length = (int(v) for v in shape)
             inp = self._recv_tensor((rows, length, self.d_model), self._peer(self.s - 1), EVAL_TAG + 3 * i + 1)
@@ -561,7 +561,7 @@ class Pipeline(Strategy):
             losses.append(self.stage.loss(out, y.long().to(self.ctx.device)).item())
         if self.stage.has_head:
             mean = sum(losses) / len(losses) if losses else float("nan")
-            self._send(torch.tensor([mean], dtype=torch.float64), self._peer(0), EVAL_LOSS_TAG, "eval")
+            self._send(torch.tensor([mean], dtype=torch.float64, device=HOST), self._peer(0), EVAL_LOSS_TAG, "eval")
 
     def _peer_leader(self, stage: int) -> int:
         return self.ctx.groups.topology.leader_rank(stage)
