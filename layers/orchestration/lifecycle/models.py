@@ -84,7 +84,12 @@ class CalibrationRow(Tracked, Base):
     gpu_model: Mapped[str] = mapped_column(String(64), primary_key=True)
     strategy: Mapped[str] = mapped_column(String(16), primary_key=True)
     workload: Mapped[str] = mapped_column(String(32), primary_key=True)  # lm | code:<digest prefix>
+    # the sites' provider (a provider's "H100" may be another's CPU slot); '' = unscoped (rows before 0015)
+    provider: Mapped[str] = mapped_column(String(64), primary_key=True, default="", server_default="")
     step_factor: Mapped[float] = mapped_column(Float, nullable=False)
     startup_seconds: Mapped[float] = mapped_column(Float, nullable=False)
     samples: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     last_ratio: Mapped[float | None] = mapped_column(Float, nullable=True)  # measured / predicted, last run
+    # Σ of the runs' evidence (0-1 each: how many steps a run measured); what the averaging weight follows
+    evidence: Mapped[float] = mapped_column(Float, nullable=False, default=0.0, server_default="0")
+    last_observed: Mapped[float | None] = mapped_column(Float, nullable=True)  # last run's own factor, undamped

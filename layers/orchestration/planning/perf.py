@@ -453,22 +453,22 @@ def barrier_step(compute_s: list[float], comm_s: float, backups: int) -> float:
 
 def _learned(req: JobRequirements, strategy: str, used: list[Assignment],
              offers: dict[str, ClusterOffer]) -> tuple[float, float]:
-    """(step factor, start-up seconds) that finished runs of this GPU model (the placement's most
-    numerous), strategy and workload taught; before any, factor 1 and the start-up other runs on this
-    GPU model measured, else :data:`STARTUP_BY_DRIVER` of the placement's slowest driver. A profiled
-    job's steps were measured (:func:`profile_factor`): its factor is 1, and its start-up at least
-    what its profile run took besides the timed steps."""
-    gpus: dict[str, int] = {}
+    """(step factor, start-up seconds) that finished runs of this GPU model at this provider (the
+    placement's most numerous pair), strategy and workload taught; before any, factor 1 and the
+    start-up other runs on this GPU model and provider measured, else :data:`STARTUP_BY_DRIVER` of
+    the placement's slowest driver. A profiled job's steps were measured (:func:`profile_factor`): its
+    factor is 1, and its start-up at least what its profile run took besides the timed steps."""
+    gpus: dict[tuple[str, str], int] = {}  # (GPU model, provider) → GPUs: lessons are kept per provider
     for a in used:
-        model = offers[a.cluster].gpu_model
-        gpus[model] = gpus.get(model, 0) + a.gpus
-    model = max(sorted(gpus), key=gpus.__getitem__)
-    lesson = req.learned.lookup(model, strategy, req.workload)
+        key = (offers[a.cluster].gpu_model, offers[a.cluster].provider)
+        gpus[key] = gpus.get(key, 0) + a.gpus
+    model, provider = max(sorted(gpus), key=gpus.__getitem__)
+    lesson = req.learned.lookup(model, strategy, req.workload, provider)
     if lesson is not None:
         if req.profiled is not None:
             return 1.0, _profiled_startup(req, lesson.startup_seconds)
         return lesson.step_factor, lesson.startup_seconds
-    startup = req.learned.startup(model)
+    startup = req.learned.startup(model, provider)
     if startup is None:  # the slowest site to start holds up the rendezvous
         startup = max(STARTUP_BY_DRIVER.get(offers[a.cluster].driver, STARTUP_SECONDS) for a in used)
     return 1.0, _profiled_startup(req, startup)

@@ -52,8 +52,9 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Lesson:
-    """What finished runs taught the compute model for one (GPU model, strategy, workload): their
-    measured training time over the model's prediction, and their measured start-up time."""
+    """What finished runs taught the compute model for one (GPU model, strategy, workload, provider):
+    their measured step time over the model's prediction, and their measured start-up time
+    (layers/orchestration/lifecycle/learning.py says how runs are weighed)."""
 
     gpu_model: str
     strategy: str
@@ -61,20 +62,25 @@ class Lesson:
     step_factor: float
     startup_seconds: float
     samples: int
+    provider: str = ""  # the sites' provider; "" = unscoped (taught before lessons were kept per provider)
 
 
 @dataclass(frozen=True)
 class Learned:
     lessons: tuple[Lesson, ...] = ()
 
-    def lookup(self, gpu_model: str, strategy: str, workload: str) -> Lesson | None:
-        return next((x for x in self.lessons if (x.gpu_model, x.strategy, x.workload) == (gpu_model, strategy, workload)),
-                    None)
+    def lookup(self, gpu_model: str, strategy: str, workload: str, provider: str = "") -> Lesson | None:
+        """The provider's own lesson, else the unscoped one: another provider's "H100" (perhaps a CPU
+        slot) never prices this provider's."""
+        found = {x.provider: x for x in self.lessons if (x.gpu_model, x.strategy, x.workload) == (gpu_model, strategy,
+                                                                                                  workload)}
+        return found.get(provider) or found.get("")
 
-    def startup(self, gpu_model: str) -> float | None:
+    def startup(self, gpu_model: str, provider: str = "") -> float | None:
         """Start-up depends on the sites (driver, image, rendezvous), not on the model: any run on this
-        GPU model says it, weighted by how many runs each lesson holds."""
-        runs = [(x.startup_seconds, x.samples) for x in self.lessons if x.gpu_model == gpu_model and x.samples > 0]
+        GPU model at this provider (or unscoped) says it, weighted by how many runs each lesson holds."""
+        runs = [(x.startup_seconds, x.samples) for x in self.lessons
+                if x.gpu_model == gpu_model and x.provider in (provider, "") and x.samples > 0]
         total = sum(n for _, n in runs)
         return sum(s * n for s, n in runs) / total if total else None
 
