@@ -23,10 +23,13 @@ Each lesson is folded in **log space** (factors are ratios): ``log f += clamp(w 
 ± log BOUND)`` with ``w = evidence · max(1/(E + 1), ALPHA)``, ``E`` the evidence gathered so far
 (``evidence`` column). So the first full runs count fully and later ones keep following a drifting
 machine, a one-step run moves a factor by at most ``1/FULL_STEPS`` of its (log) miss, and no run
-moves it by more than ×/÷ :data:`BOUND` — a factor converges over several runs (a new lesson starts
-from 1, the textbook model: full runs at 3× give 2, 2.45, 2.62, … 2.98 after 12). Start-up is folded
-the same way (evidence 1: it is measured whole), except that a new lesson's first start-up is taken
-as measured (the drivers' defaults are guesses).
+moves it by more than ×/÷ :data:`BOUND`. The exception is a new lesson's first *full, step-timed*
+run (evidence 1, its factor from the reports' step times): the textbook factor 1 it replaces is a
+guess, not evidence, so that run is taken as measured — one run of the README's world (CPU slots
+declared as H100, ×44,691) corrects its quotes at once instead of after fifteen doublings. A new
+lesson's first short or wall-timed run is weighed and bounded like any other. Start-up is folded the
+same way (evidence 1: it is measured whole), and a new lesson's first start-up is taken as measured
+(the drivers' defaults are guesses).
 
 Lessons are kept **per provider** (the sites' ``spec.provider``): one provider's "H100" may be a CPU
 slot (the README's world with ``cpn agent --local``), and its runs must not price anyone else's H100.
@@ -147,8 +150,10 @@ def observe(*, raw_step: float, steps: int, startup: float, train: float,
 def fold(row: CalibrationRow, seen: Observation) -> None:
     """Fold one observation into its lesson (the rule in the module's docstring)."""
     gathered = row.evidence or 0.0
-    weight = seen.evidence * max(1.0 / (gathered + 1.0), ALPHA)
-    row.step_factor = damped(row.step_factor, seen.factor, weight)
+    if not gathered and seen.evidence >= 1.0 and seen.steps_timed:  # the first evidence replaces the guess
+        row.step_factor = seen.factor
+    else:
+        row.step_factor = damped(row.step_factor, seen.factor, seen.evidence * max(1.0 / (gathered + 1.0), ALPHA))
     startup = max(MIN_STARTUP, seen.startup)
     row.startup_seconds = startup if not row.samples else damped(max(MIN_STARTUP, row.startup_seconds), startup,
                                                                   max(1.0 / (row.samples + 1), ALPHA))

@@ -51,7 +51,7 @@ async def test_a_finished_job_corrects_the_next_quote(api, db) -> None:  # type:
     assert len(items) == 1, items
     lesson = items[0]
     assert (lesson["gpuModel"], lesson["strategy"], lesson["workload"], lesson["samples"]) == ("CPU", "diloco", "lm", 1)
-    # one run moves a factor by at most ×/÷ BOUND (learning.py): from the textbook's 1 to 2, not 3
+    # a run without step reports (timed by its wall clock) moves a factor by at most ×/÷ BOUND (learning.py)
     assert lesson["stepFactor"] == pytest.approx(BOUND, rel=0.05) and lesson["startupSeconds"] == pytest.approx(12, abs=1)
     assert lesson["lastRatio"] == pytest.approx((12 + 3 * raw) / (raw + STARTUP_BY_DRIVER["local"]), rel=0.05)
 

@@ -44,9 +44,19 @@ def test_a_one_step_run_after_normal_runs_moves_the_factor_little_and_within_the
 
 def test_no_single_run_moves_a_factor_past_the_bound_either_way() -> None:
     for observed in (1e-6, 1e6):
-        row = _row(3.0, evidence=0.0)
-        fold(row, Observation(observed, 10.0, 1.0, True))  # a full run, weight 1
+        row = _row(3.0, evidence=1.0, samples=1)
+        fold(row, Observation(observed, 10.0, 1.0, True))  # a full run, the lesson's second
         assert row.step_factor == pytest.approx(3.0 * BOUND ** (1 if observed > 1 else -1))
+
+
+def test_a_new_lessons_first_full_step_timed_run_replaces_the_textbook_guess() -> None:
+    row = _row()
+    fold(row, Observation(44_691.0, 5.0, 1.0, True))  # CPU slots declared as H100
+    assert row.step_factor == pytest.approx(44_691.0) and row.evidence == 1.0
+    for seen in (Observation(44_691.0, 5.0, 1.0, False), Observation(44_691.0, 5.0, 0.5, True)):
+        row = _row()
+        fold(row, seen)  # wall-timed, or too short to time a step: weighed and bounded as ever
+        assert row.step_factor <= BOUND
 
 
 def test_consistent_runs_converge_to_the_true_factor() -> None:
@@ -55,8 +65,7 @@ def test_consistent_runs_converge_to_the_true_factor() -> None:
     for _ in range(12):
         fold(row, Observation(3.0, 30.0, 1.0, True))
         path.append(row.step_factor)
-    assert path[0] == pytest.approx(BOUND)  # the first run is bounded too
-    assert all(a < b <= 3.0 for a, b in zip(path, path[1:], strict=False))  # monotone, never overshoots
+    assert all(f == pytest.approx(3.0) for f in path)  # the first full run replaces the guess; the rest agree
     assert row.step_factor == pytest.approx(3.0, rel=0.02) and row.samples == 12 and row.evidence == 12
     assert row.startup_seconds == pytest.approx(30.0)
 
