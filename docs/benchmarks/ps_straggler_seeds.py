@@ -8,7 +8,9 @@ counts and the load average at its end):
 
     python docs/benchmarks/ps_straggler_seeds.py 0 1 2 3 4
 
-``--runs ps_backup:shard,ps_backup:whole 0 1 2`` runs other variants: a strategy, optionally with
+A seed may repeat (``--runs ps_backup 0 0 0 0 0``: run-to-run spread of one seed). ``ps_split_steps``
+counts the steps two shards applied with different workers' pushes (0 since the accepted set is
+decided once per step). ``--runs ps_backup:shard,ps_backup:whole 0 1 2`` runs other variants: a strategy, optionally with
 ``strategy.sampling`` after a colon (``shard``: one contiguous shard per worker; ``whole``: every
 worker draws from the whole training split, ps_backup's default).
 """
@@ -43,10 +45,14 @@ def run(seed: int, variant: str) -> dict:
             "wall_seconds": s["wall_seconds"], "final_val_loss": round(s["final_val_loss"], 4),
             "tokens": s["tokens"], "ps_dropped": s.get("ps_dropped"),
             "ps_pushed_by_rank": s.get("ps_pushed_by_rank"), "ps_dropped_by_rank": s.get("ps_dropped_by_rank"),
+            "ps_split_steps": s.get("ps_split_steps"), "ps_short_steps": s.get("ps_short_steps"),
             "loadavg": os.getloadavg()[0]}
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     runs = RUNS
     if argv[:1] == ["--runs"]:
         runs, argv = argv[1].split(","), argv[2:]

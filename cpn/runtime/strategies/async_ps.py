@@ -315,8 +315,8 @@ class AsyncPS(Strategy):
         j = self.route[k]
         server = self.local.get((k, j))
         if server is not None:
-            return beside(server.handle, self.ctx.rank, grad[lo:hi], self.progress, op, self.tags[k])
-        msg = torch.cat([grad[lo:hi], torch.tensor([self.progress, op, float(self.tags[k])], device=HOST)])
+            return beside(server.handle, self.ctx.rank, grad[lo:hi], self.progress, op, self._tag(k))
+        msg = torch.cat([grad[lo:hi], torch.tensor([self.progress, op, float(self._tag(k))], device=HOST)])
         out = torch.empty(hi - lo + 1, device=HOST)
         try:
             self.push[(k, j)].send([msg], 1, 0).wait()
@@ -324,6 +324,10 @@ class AsyncPS(Strategy):
             return out, self.pull[(k, j)].recv([out], 0, 0)
         except Exception:  # noqa: BLE001 - the replica's process is gone
             return None
+
+    def _tag(self, k: int) -> int:
+        """The tag of a call to shard k: the version this worker last pulled from it (its staleness there)."""
+        return self.tags[k]
 
     def _finish(self, k: int, grad: torch.Tensor, op: float, call: Any) -> torch.Tensor:
         while True:

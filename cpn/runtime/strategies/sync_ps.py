@@ -5,9 +5,11 @@ them, runs AdamW once (a global-batch step, as synchronous SGD does) and only th
 worker with the new parameters: a barrier at the servers every step.
 
 ``ps_backup --backup-workers b`` (Chen et al., "Revisiting distributed synchronous SGD", 2016): the
-server applies the step as soon as the first N−b pushes have arrived and answers; the b late pushes
-of that step are dropped (and counted: ``ps_dropped``), and their workers get the new parameters and
-go on with the next step. A slow site then costs a dropped gradient, not a stalled step.
+servers apply the step as soon as the first N−b workers' pushes have arrived -- one set per step for
+every shard, posted on the job's store by the shard that had them first (:class:`RoundServer`) -- and
+answer; the b late pushes of that step are dropped (and counted: ``ps_dropped``), and their workers
+get the new parameters and go on with the next step. A slow site then costs a dropped gradient, not
+a stalled step.
 
 Both share :mod:`async_ps`'s transport (sharded servers inside site leaders, a Gloo pair per worker
 and direction). A push is ``[gradient shard..., progress, op, step]``; the reply is
@@ -26,6 +28,7 @@ fifth of the applied tokens instead of stretching the run to N/(N−b) as many s
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -41,10 +44,22 @@ from cpn.runtime.strategies.ps_replicas import FWD_LEAVE, FWD_UPDATE
 
 DROPPED = "cpn/ps/dropped"
 PUSHED = "cpn/ps/pushed"
+ROUND = "cpn/ps/round"  # per step: the workers whose pushes every shard applies (ps_backup)
+ROUNDS = "cpn/ps/rounds"  # per replica that served: the workers it applied, per step
+SHORT = "cpn/ps/short"
 
 
 class RoundServer(Server):
-    """A shard that applies one averaged update per step, from the first `quorum` pushes of it."""
+    """A shard that applies one averaged update per step, from the pushes of the step's accepted workers.
+
+    With backup workers the accepted set is decided once per step for the whole job: the first shard
+    whose step has `quorum` pushes posts its first arrivals on the job's store (``ROUND/<step>``,
+    first writer wins), and every shard applies exactly those workers' pushes -- waiting for any it has
+    not received yet -- and drops the rest. Each shard picking its own first arrivals updated different
+    parts of the model with different workers' gradients in one step. Workers push one step number to
+    every shard (:meth:`SyncPS._tag`), so an accepted worker's push reaches every shard as that step's:
+    a shard never waits for a push its sender has not already sent. Without backups the set is every
+    live worker, the same at every shard, and needs no store."""
 
     def __init__(self, ctx: Context, shard: int, theta: torch.Tensor, workers: int, index: int, backups: int):
         super().__init__(ctx, shard, theta, workers, index)
@@ -52,8 +67,10 @@ class RoundServer(Server):
             self.opt = torch.optim.SGD([self.param], lr=ctx.cfg.lr)
         self.backups = backups
         self.cond = threading.Condition(self.lock)
-        self.acc = torch.zeros_like(self.param.detach())
-        self.count = 0
+        self.arrived: dict[int, torch.Tensor] = {}  # this step's pushes, by worker, in arrival order
+        self.accepted: tuple[int, ...] | None = None  # this step's workers, once decided (here or elsewhere)
+        self.rounds: dict[int, list[int]] = {}  # per step this replica applied: the workers applied
+        self.short = 0  # steps applied without every accepted push (its worker lost, or the step timed out)
         self.gone: set[int] = set()
         self.dropped = 0
         self.pushed_by: Counter[int] = Counter()  # per worker rank: which site's gradients the steps miss
@@ -65,48 +82,82 @@ class RoundServer(Server):
         live = self.workers - len(self.gone | self.dead)
         return max(1, min(self.workers - self.backups, live))
 
+    def _decide(self) -> None:
+        """Under the lock: this step's accepted workers -- this shard's first arrivals, unless another
+        shard posted its set for the step first (then that one)."""
+        mine = list(self.arrived)[: self.quorum()]
+        if not self.backups:
+            self.accepted = tuple(mine)
+            return
+        try:
+            posted = self.ctx.store.compare_set(f"{ROUND}/{self.version}", "", ",".join(map(str, mine))).decode()
+        except Exception:  # noqa: BLE001 - the store's host is gone: the job is ending; apply what came
+            posted = ",".join(map(str, mine))
+        self.accepted = tuple(int(w) for w in posted.split(","))
+
+    def _missing(self) -> set[int]:
+        assert self.accepted is not None
+        return {w for w in self.accepted if w not in self.arrived} - self.gone - self.dead
+
+    def _advance(self) -> None:
+        """Under the lock: decide the step once a quorum of it is here; apply it once its accepted pushes are."""
+        if self.accepted is None and self.arrived and len(self.arrived) >= self.quorum():
+            self._decide()
+        if self.accepted is not None and not self._missing():
+            self._apply_round(self.progress)
+
+    def _drop(self, worker: int) -> None:
+        self.dropped += 1
+        self.dropped_by[worker] += 1
+
     def _apply_round(self, progress: float) -> None:
-        """Under the lock: one optimiser step on the mean of this step's pushes, forwarded."""
+        """Under the lock: one optimiser step on the mean of the accepted pushes here, forwarded; the
+        step's other pushes are dropped."""
+        if self.accepted is None:
+            self._decide()
+        assert self.accepted is not None
+        used = [w for w in self.accepted if w in self.arrived] or list(self.arrived)
+        if len(used) < len(self.accepted):
+            self.short += 1
+        for w in self.arrived.keys() - set(used):
+            self._drop(w)
         lr = as_sent(lr_at(self.ctx.cfg, progress))
-        mean = self.acc / self.count
+        mean = torch.stack([self.arrived[w] for w in used]).sum(0) / len(used)
+        self.rounds[self.version] = sorted(used)
         self._step(mean, lr)
         self._forward(FWD_UPDATE, mean, lr)
-        self.acc.zero_()
-        self.count = 0
+        self.arrived, self.accepted = {}, None
         self.cond.notify_all()
 
     def push(self, worker: int, grad: torch.Tensor, progress: float, step: int) -> tuple[torch.Tensor, int]:
-        """Count `grad` toward `step` (or drop it if that step is done); wait until `step` is applied."""
+        """Count `grad` toward `step` (or drop it if that step is done or it was not accepted); wait until
+        `step` is applied."""
         with self.cond:
             self.progress = progress
             self.pushed_by[worker] += 1
-            if step == self.version:
-                self.acc += grad
-                self.count += 1
-                if self.count >= self.quorum():
-                    self._apply_round(progress)
+            if step == self.version and (self.accepted is None or worker in self.accepted):
+                self.arrived[worker] = grad
+                self._advance()
             else:
-                self.dropped += 1
-                self.dropped_by[worker] += 1
+                self._drop(worker)
             deadline = time.monotonic() + self.patience
             while self.version <= step:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.cond.wait(timeout=left):
-                    if self.version <= step and self.count:  # the others are silent: apply what came
+                    if self.version <= step and self.arrived:  # the others are silent: apply what came
                         self._apply_round(progress)
                     break
             return self.param.detach().clone(), self.version
 
     def _shrink(self) -> None:
-        """Under the lock: a worker stopped counting; the step may have its quorum now."""
-        if self.count and self.count >= self.quorum():
-            self._apply_round(self.progress)
+        """Under the lock: a worker stopped counting; the step may have its quorum, or its accepted pushes, now."""
+        self._advance()
         self.cond.notify_all()
 
     def leave(self, worker: int) -> None:
         with self.cond:
             self.gone.add(worker)
-            self._forward(FWD_LEAVE, torch.zeros_like(self.acc), worker=worker)
+            self._forward(FWD_LEAVE, torch.zeros_like(self.param.detach()), worker=worker)
             self._shrink()
 
     def left(self, worker: int) -> None:
@@ -126,6 +177,17 @@ class RoundServer(Server):
                 self.leave(worker)
             params, now = self.snapshot()
         return torch.cat([params, torch.tensor([float(now)], device=HOST)])
+
+
+def split_steps(rounds: dict[str, dict[int, list[int]]]) -> tuple[int, int]:
+    """Steps applied by two replicas or more, and those of them applied with different workers' pushes
+    (0: every shard applied the same set)."""
+    sets: dict[int, list[tuple[int, ...]]] = {}
+    for applied in rounds.values():
+        for step, workers in applied.items():
+            sets.setdefault(step, []).append(tuple(workers))
+    shared = [set(s) for s in sets.values() if len(s) > 1]
+    return len(shared), sum(len(s) > 1 for s in shared)
 
 
 class SyncPS(AsyncPS):
@@ -159,6 +221,13 @@ class SyncPS(AsyncPS):
     def server_step(self) -> int:
         return min(self.tags.values())
 
+    def _tag(self, k: int) -> int:
+        """One step number for every shard: the oldest version pulled. A shard that replied a later version
+        (its waiting thread woke after the next step was applied) drops the push as late, as every other
+        shard then does -- the step's accepted set was decided without it -- so no shard waits for a push
+        its worker sent under another step's number."""
+        return self.server_step()
+
     def should_stop(self, step: int) -> bool:
         limit = self.limit if self.cfg.stop_at_step is None else min(self.limit, self.cfg.stop_at_step)
         return self.server_step() >= limit
@@ -174,20 +243,54 @@ class SyncPS(AsyncPS):
         numel = sum(p.numel() for p in self.model.parameters())
         self._rpc(torch.zeros(numel, device=HOST), OP_LEAVE)
         servers = [s for s in self.local.values() if isinstance(s, RoundServer)]
+        self._settle(servers)
         self.ctx.store.add(DROPPED, sum(s.dropped for s in servers))
         for w in range(self.ctx.groups.world_size):
             self.ctx.store.add(f"{PUSHED}/{w}", sum(s.pushed_by[w] for s in servers))
             self.ctx.store.add(f"{DROPPED}/{w}", sum(s.dropped_by[w] for s in servers))
+        self.ctx.store.add(SHORT, sum(s.short for s in servers))
+        for s in servers:
+            if s.rounds:
+                self.ctx.store.set(f"{ROUNDS}/{s.shard}.{s.index}", json.dumps(s.rounds))
         super().finish(step)
 
+    def _settle(self, servers: list[RoundServer]) -> None:
+        """Wait (at most the WAN patience) until every worker has left, or been lost by, the shards this rank
+        serves: a worker's leave follows its last push, so their counts are final then -- counted earlier, a
+        shard hosted by a rank that finished first missed the other workers' last pushes."""
+        everyone = set(range(self.ctx.groups.world_size))
+        deadline = time.monotonic() + self.cfg.strategy.wan_timeout_seconds
+        with self.ctx.timers.timed("wait"):
+            for s in servers:
+                with s.cond:
+                    while s.serving.is_set() and not everyone <= s.gone | s.dead:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return
+                        s.cond.wait(timeout=left)
+
+    def rounds(self) -> dict[str, dict[int, list[int]]]:
+        """Per replica that applied steps (``"shard.replica"``): the workers whose pushes it applied, per step."""
+        store, out = self.ctx.store, {}
+        for k, ranks in enumerate(self.replicas):
+            for j in range(len(ranks)):
+                key = f"{ROUNDS}/{k}.{j}"
+                if store.check([key]):
+                    out[f"{k}.{j}"] = {int(t): ws for t, ws in json.loads(store.get(key)).items()}
+        return out
+
     def summary_extras(self) -> dict[str, object]:
-        """Pushes the servers dropped as late (counted by every server before it reports done), in all
-        and per worker rank, beside the pushes each rank made (one per shard and step)."""
+        """Pushes the servers dropped (late, or not in the step's accepted set; counted by every server once
+        each worker has left it), in all and per worker rank, beside the pushes each rank made (one per shard
+        and step); steps applied without every accepted push (short); and, over the steps two shards or
+        more applied, how many they applied with different workers' pushes (split: 0 when consistent)."""
         store, world = self.ctx.store, self.ctx.groups.world_size
         failovers = ps_replicas.failovers(store, len(self.bounds))
+        compared, split = split_steps(self.rounds())
         return {"ps_dropped": store.add(DROPPED, 0), "ps_failovers": failovers,
                 "ps_pushed_by_rank": [store.add(f"{PUSHED}/{w}", 0) for w in range(world)],
-                "ps_dropped_by_rank": [store.add(f"{DROPPED}/{w}", 0) for w in range(world)]}
+                "ps_dropped_by_rank": [store.add(f"{DROPPED}/{w}", 0) for w in range(world)],
+                "ps_short_steps": store.add(SHORT, 0), "ps_steps_compared": compared, "ps_split_steps": split}
 
 
 class BackupPS(SyncPS):
@@ -211,4 +314,4 @@ class BackupPS(SyncPS):
         return self.stop or (self.cfg.stop_at_step is not None and step >= self.cfg.stop_at_step)
 
 
-__all__ = ["OP_LEAVE", "OP_PULL", "BackupPS", "RoundServer", "SyncPS"]
+__all__ = ["OP_LEAVE", "OP_PULL", "BackupPS", "RoundServer", "SyncPS", "split_steps"]
