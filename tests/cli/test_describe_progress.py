@@ -33,3 +33,14 @@ def test_eta_reads_in_human_units_in_describe_and_the_wide_table() -> None:
     assert output.render_cell({"status": {}}, eta) == "-"
     table = output.table([_job(100_000, 100_000, 50_000, 3900.0)], [eta], wide=True)
     assert table.splitlines()[1].split() == ["lm", "1", "h", "05", "min"]
+
+
+def test_a_cell_with_nothing_known_yet_reads_a_bare_dash() -> None:
+    progress = {"name": "PROGRESS", "template": "{status.progress.percent}%"}
+    cost = {"name": "COST", "template": "{status.cost.total} {status.cost.currency}"}
+    quoted = {"metadata": {"name": "lm"}, "status": {"phase": "Quoted"}}
+    assert output.render_cell(quoted, progress) == "-" and output.render_cell(quoted, cost) == "-"
+    running = _job(100_000, 100_000, 50_000, 200.0)
+    running["status"]["cost"] = {"total": "0.02"}
+    assert output.render_cell(running, progress) == "50.0%"
+    assert output.render_cell(running, cost) == "0.02 -"  # one part known: the other stays marked

@@ -48,15 +48,19 @@ def render_cell(item: dict[str, Any], column: dict[str, Any]) -> str:
         seconds = dig(item, template.strip("{}"))
         return duration_text(float(seconds)) if isinstance(seconds, int | float) else "-"
 
+    found = []
+
     def sub(match: re.Match[str]) -> str:
         value = dig(item, match.group(1))
-        if value is None or value == "":
+        if value is None or value == "" or value == []:
             return "-"
+        found.append(value)
         if isinstance(value, list):
-            return ",".join(str(v) for v in value) or "-"
+            return ",".join(str(v) for v in value)
         return str(value)
 
-    return PLACEHOLDER.sub(sub, template)
+    text = PLACEHOLDER.sub(sub, template)
+    return text if found else "-"  # nothing known yet: `-`, not `-%` or `- -`
 
 
 def table(items: list[dict[str, Any]], columns: list[dict[str, Any]], wide: bool = False) -> str:

@@ -109,7 +109,7 @@ def register(registry: KindRegistry, timeouts: workflow.Timeouts, code_exists: C
         kind="Calibration", plural="calibrations", short_names=("calibration", "cal"), manifest=None, store=None,
         order=95, verbs=("list",), generic_routes=False,
         columns=(Column("GPU MODEL", "{gpuModel}"), Column("STRATEGY", "{strategy}"), Column("WORKLOAD", "{workload}"),
-                 Column("STEP FACTOR", "{stepFactor}"), Column("STARTUP S", "{startupSeconds}"),
+                 Column("PROVIDER", "{provider}"), Column("STEP FACTOR", "{stepFactor}"), Column("STARTUP S", "{startupSeconds}"),
                  Column("RUNS", "{samples}"), Column("LAST MEASURED/PREDICTED", "{lastRatio}"))))
     registry.register(Kind(
         kind="Event", plural="events", short_names=("event", "ev"), manifest=None, store=None, order=90,
