@@ -27,10 +27,17 @@ def amount(quantity: Decimal, unit_price: Decimal) -> Decimal:
     return (quantity * unit_price).quantize(MICRO, rounding=ROUND_HALF_UP)
 
 
+def price_text(unit_price: Decimal) -> str:
+    """A unit price as quotes and invoices both show it: exact, without the ledger's padding to 6
+    places (2.450000 shows as 2.45), and at least to the cent (3 shows as 3.00)."""
+    shown = format(unit_price.normalize(), "f")
+    return shown if unit_price != unit_price.quantize(CENT) else str(unit_price.quantize(CENT))
+
+
 def line(provider: str, cluster: str, item: str, quantity: Decimal, unit_price: Decimal) -> dict[str, Any]:
     quantity = quantity.quantize(MICRO, rounding=ROUND_HALF_UP)
     return {"provider": provider, "cluster": cluster, "item": item, "quantity": str(quantity),
-            "unitPrice": str(unit_price), "amount": str(amount(quantity, unit_price))}
+            "unitPrice": price_text(unit_price), "amount": str(amount(quantity, unit_price))}
 
 
 def price_lines(gpu_seconds: dict[str, float], egress_bytes: dict[tuple[str, str], float],

@@ -81,6 +81,9 @@ class JobStatus(CamelModel):
     checkpoint_every: int = 0
     sites: str | None = None
     failed_sites: list[dict[str, Any]] = Field(default_factory=list)
+    # unit prices of clusters the quote did not price, at their list price when a re-placement put the
+    # job on them (layers/orchestration/lifecycle/replan.py; billed by metering._price_lines)
+    repriced_lines: list[dict[str, Any]] = Field(default_factory=list)
     cancel_requested: bool = False
     measured: Measured | None = None
     # metering (layers/orchestration/lifecycle/metering.py)

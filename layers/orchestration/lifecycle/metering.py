@@ -23,21 +23,39 @@ from layers.service.jobs import update_status
 from layers.service.models import ContractRow, JobRow, LedgerEntry
 
 
+def _price_lines(job: JobRow) -> list[dict[str, Any]]:
+    """The lines that set the job's unit prices. What the accepted quote priced keeps its quoted price
+    (the contract). A cluster the quote did not price — one a re-placement moved the job to — is billed
+    at its list price when that re-placement was written (``status.repricedLines``, the newest for a
+    cluster first): the user's quote never named it, and its provider is owed what it asked then."""
+    quoted = list(job.status.get("quoteLines", []))
+    seen = {(line["item"], _cluster(line)) for line in quoted}
+    for line in reversed(job.status.get("repricedLines", [])):
+        if (line["item"], _cluster(line)) not in seen:
+            seen.add((line["item"], _cluster(line)))
+            quoted.append(line)
+    return quoted
+
+
+def _cluster(line: dict[str, Any]) -> str:
+    return str(line["cluster"]).split("/")[0]
+
+
 def _unit_prices(job: JobRow) -> tuple[dict[str, Decimal], dict[str, Decimal]]:
-    """Unit prices agreed in the accepted quote: GPU-hour per cluster, egress per cluster."""
+    """Unit prices the job is billed at (see _price_lines): GPU-hour per cluster, egress per cluster."""
     gpu: dict[str, Decimal] = {}
     egress: dict[str, Decimal] = {}
-    for line in job.status.get("quoteLines", []):
+    for line in _price_lines(job):
         target = {"gpu-hours": gpu, "egress": egress}.get(line["item"])
         if target is not None:
-            target[line["cluster"].split("/")[0]] = Decimal(line["unitPrice"])
+            target[_cluster(line)] = Decimal(line["unitPrice"])
     return gpu, egress
 
 
 def _data_copies(job: JobRow) -> dict[str, tuple[Decimal, Decimal]]:
-    """The dataset copies the accepted quote priced: receiving cluster → (GB, price per GB)."""
-    return {line["cluster"].split("/")[0]: (Decimal(line["quantity"]), Decimal(line["unitPrice"]))
-            for line in job.status.get("quoteLines", []) if line["item"] == "data-transfer"}
+    """The dataset copies priced (see _price_lines): receiving cluster → (GB, price per GB)."""
+    return {_cluster(line): (Decimal(line["quantity"]), Decimal(line["unitPrice"]))
+            for line in _price_lines(job) if line["item"] == "data-transfer"}
 
 
 async def _sellers(session: AsyncSession, clusters: set[str]) -> dict[str, tuple[str, str]]:
@@ -144,19 +162,24 @@ async def _post(session: AsyncSession, job: JobRow, contract: ContractRow, gpu: 
 
 
 def _charge(session: AsyncSession, contract: ContractRow, billed: dict[str, str], seller: tuple[str, str],
-            cluster: str, item: str, quantity: Decimal, unit_price: Decimal) -> LedgerEntry | None:
+            cluster: str, item: str, quantity: Decimal, unit_price: Decimal, kind: str = "charge",
+            note: str | None = None) -> LedgerEntry | None:
     """Post the growth of a running total (kept exact in `billed`) as the difference of its rounded
-    values, so a thousand small reports sum to the total's one rounding, not to a thousand roundings."""
+    values, so a thousand small reports sum to the total's one rounding, not to a thousand roundings.
+    The amount is that of the rounded quantity (quantity as shown × unit price), so an invoice line —
+    the sum of a running total's entries — is its quantity × unit price to 6 places. Credits (a
+    negative `quantity`) go through the same running total, for the same reason."""
     key = f"{item}|{cluster}|{unit_price}"
     before = Decimal(billed.get(key, "0"))
     after = before + quantity
     billed[key] = str(after)
     posted_qty = billing.micro(after) - billing.micro(before)
-    posted_amount = billing.micro(after * unit_price) - billing.micro(before * unit_price)
+    posted_amount = billing.micro(billing.micro(after) * unit_price) - billing.micro(billing.micro(before) * unit_price)
     if not (posted_qty or posted_amount):
         return None
     return billing.post(session, contract, provider=seller[0], provider_account_id=seller[1], cluster=cluster,
-                        item=item, quantity=posted_qty, unit_price=unit_price, amount=posted_amount)
+                        item=item, quantity=posted_qty, unit_price=unit_price, amount=posted_amount, kind=kind,
+                        note=note)
 
 
 def site_lost(job: JobRow, attempt: int) -> bool:
@@ -201,14 +224,13 @@ async def credit_lost_work(session: AsyncSession, job: JobRow, contract: Contrac
     gpu_price, _ = _unit_prices(job)
     if contract is None or lost <= 0 or cluster not in gpu_price:
         return Decimal(0)
-    provider, account = (await _sellers(session, {cluster}))[cluster]
-    entry = billing.post(session, contract, provider=provider, provider_account_id=account, cluster=cluster,
-                         item="gpu-hours", quantity=-Decimal(repr(lost)) / Decimal(3600),
-                         unit_price=gpu_price[cluster], kind="credit", note=reason[:200])
+    billed = dict(job.status.get("billed", {}))
+    entry = _charge(session, contract, billed, (await _sellers(session, {cluster}))[cluster], cluster, "gpu-hours",
+                    -Decimal(repr(lost)) / Decimal(3600), gpu_price[cluster], kind="credit", note=reason[:200])
     since = dict(job.status.get("sinceCheckpoint", {}))
     since[cluster] = 0.0
-    update_status(job, sinceCheckpoint=since)
-    return -Decimal(entry.amount)
+    update_status(job, sinceCheckpoint=since, billed=billed)
+    return -Decimal(entry.amount) if entry is not None else Decimal(0)
 
 
 async def refresh_progress(session: AsyncSession, job: JobRow, now: datetime | None = None) -> None:

@@ -8,7 +8,11 @@ replica-major as before, resumes ``site{d·P+s}.pt``); when the live sites no lo
 replicas they can hold go on (D' < D, the first D'·P sites' files, every stage's copy of one step) —
 with at least one whole pipeline left, a lost site costs the job its replica, not the job — or the
 job fails naming why. The lines then keep ``replica`` (0 … D'−1, also for D' = 1), so a later
-re-placement does not grow the job back to replicas its checkpoint holds no files for."""
+re-placement does not grow the job back to replicas its checkpoint holds no files for.
+
+The new placement is priced as a quote would price it, at the list prices of that moment; the lines
+for what the accepted quote did not price (a cluster new to the job) are recorded on the job, in the
+same transaction, as ``status.repricedLines``: the meter bills those clusters at those prices."""
 
 from __future__ import annotations
 
@@ -21,10 +25,12 @@ from cpn.core import errors
 from layers.control import capacity, leases
 from layers.orchestration.jobs import data as job_data
 from layers.orchestration.jobs.requirements import objective, planner_inputs, requirements
-from layers.orchestration.jobs.workflow import solver_for
+from layers.orchestration.jobs.workflow import _pricing_inputs, _transfers, solver_for
 from layers.orchestration.planning import placement
-from layers.orchestration.planning.types import JobRequirements
+from layers.orchestration.planning.types import JobRequirements, Plan
+from layers.service import pricing
 from layers.service.contracts import subtask_name
+from layers.service.jobs import update_status
 from layers.service.models import JobRow
 from layers.service.schemas import TrainingJobSpec
 
@@ -43,8 +49,8 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
                               data_replicas=replicas_of(job.status["placement"]) or req.data_replicas)
     await leases.release(s, job.name, "re-placing after a site failure")
     await s.flush()
-    pool_offers, links, _ = await capacity.snapshot(s, heartbeat_timeout)
-    offers, wan = planner_inputs(pool_offers, links, spec.currency)
+    market = await capacity.offer_set(s, heartbeat_timeout)
+    offers, wan = planner_inputs(list(market.offers), list(market.links), spec.currency)
     replicated = req.strategy == "pipeline" and (req.data_replicas > 1 or replicas_of(job.status["placement"]) is not None)
     while True:
         try:
@@ -62,11 +68,28 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
                              now=datetime.now(UTC))
     except errors.Conflict as exc:
         raise errors.Infeasible(f"no placement without {sorted(failed_sites)}: {exc.message}") from exc
+    _record_prices(job, plan, market)
     region_of = {o.name: o.region for o in offers}
     return [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
              "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage}),
              **({} if a.replica is None and not replicated else {"replica": a.replica or 0})}
             for a in plan.assignments]
+
+
+def _record_prices(job: JobRow, plan: Plan, market: capacity.OfferSet) -> None:
+    """Price the new placement at today's list prices and keep, on the job, the lines for what the
+    accepted quote did not price: without them the meter had no price for a new cluster and the work
+    there was never billed, nor shown to its provider."""
+    _, sellers, link_prices, link_owners = _pricing_inputs(market)
+    pred = plan.prediction
+    lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices,
+                                link_owners) + pricing.data_transfer_lines(_transfers(plan), sellers)
+    quoted = {(q["item"], q["cluster"].split("/")[0]) for q in job.status.get("quoteLines", [])}
+    attempt, at = int(job.status.get("attempt") or 1) + 1, datetime.now(UTC).isoformat()
+    new = [{**line, "attempt": attempt, "at": at} for line in lines
+           if (line["item"], line["cluster"].split("/")[0]) not in quoted]
+    if new:
+        update_status(job, repricedLines=[*job.status.get("repricedLines", []), *new])
 
 
 def stages_of(placement_lines: list[dict]) -> int | None:
