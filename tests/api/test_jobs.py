@@ -157,6 +157,7 @@ async def test_accept_reserves_and_reduces_capacity(api) -> None:
         assert all(p["cluster"] != cluster_name for p in q["placement"])
     events = (await (await api.client.get("/api/v1/events?job=acc", headers=api.auth("alice"))).json())["items"]
     assert [e["reason"] for e in events] == ["Submitted", "Quoted", "Reserved"]
+    assert events[1]["message"].startswith("quoted: ") and "None" not in events[1]["message"], events[1]
 
 
 async def test_expired_quote_is_409_with_fresh_quotes(api, db) -> None:

@@ -196,7 +196,7 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
     if job.phase != "Quoted":
         previous = set_phase(job, "Quoted", "Quoted", f"{len(saved)} quote(s) offered", now)
         await record_event(session, job.name, "Normal", "Quoted",
-                           f"{previous} → Quoted: " + ", ".join(f"{q.label} {q.total:.2f} {q.currency}" for q in saved))
+                           (f"{previous} → Quoted: " if previous else "quoted: ") + ", ".join(f"{q.label} {q.total:.2f} {q.currency}" for q in saved))
     return [quotes_mod.public(q) for q in saved]
 
 
