@@ -8,6 +8,7 @@ from cpn.cli.ctl import output
 from cpn.cli.ctl.commands.resources import OUTPUT
 from cpn.cli.ctl.context import Ctx, pass_ctx
 from cpn.cli.ctl.main import cli
+from cpn.client import ApiError
 from cpn.core.phases import JOB_TERMINAL
 
 
@@ -19,7 +20,12 @@ from cpn.core.phases import JOB_TERMINAL
 @pass_ctx
 def accept(obj: Ctx, job: str, quote: str, fmt: str) -> None:
     """Accept a quote for JOB: signs the contract and reserves the GPUs."""
-    result = obj.client.post(f"/api/v1/jobs/{obj.ref(job)}/accept", json={"quote": quote})
+    try:
+        result = obj.client.post(f"/api/v1/jobs/{obj.ref(job)}/accept", json={"quote": quote})
+    except ApiError as exc:
+        if exc.status == 404 and exc.field == "quote":
+            raise click.ClickException(_no_such_quote(obj, job, quote)) from exc
+        raise
     if fmt in ("json", "yaml"):
         click.echo(output.dump(result, fmt))
         return
@@ -27,6 +33,15 @@ def accept(obj: Ctx, job: str, quote: str, fmt: str) -> None:
     price = result["status"].get("price", {})
     click.echo(f"trainingjob/{job} accepted ({quote}): {result['status']['phase']}; leased {leases}; "
                f"quoted {price.get('total')} {price.get('currency')}")
+
+
+def _no_such_quote(obj: Ctx, job: str, quote: str) -> str:
+    """The refusal with the labels JOB's open quotes go by, so the user need not run `get quotes`."""
+    items = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}/quotes").get("items", [])
+    labels = [q["label"] for q in items if q.get("state") == "open"]
+    if not labels:
+        return f"job {job!r} has no open quote {quote!r}: it has no open quotes (see `cpnctl get quotes {job}`)"
+    return f"job {job!r} has no open quote {quote!r}: use one of {', '.join(labels)} (or a quote id)"
 
 
 TERMINAL = JOB_TERMINAL
