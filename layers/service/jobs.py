@@ -115,6 +115,17 @@ def set_phase(row: JobRow, phase: JobPhase | str, reason: str, message: str, now
     return previous
 
 
+def reword_phase(row: JobRow, reason: str, message: str, now: datetime | None = None) -> None:
+    """Say something new about the job's current phase (its condition and message) without a transition:
+    the phase's time stays (metering and learning read it). Writes only when the words changed."""
+    status = dict(row.status or {})
+    current = next((c for c in status.get("conditions", []) if c.get("type") == row.phase), None)
+    if current is not None and current.get("reason") == reason and current.get("message") == message:
+        return
+    conditions = set_condition(status.get("conditions", []), row.phase, True, reason, message, now or datetime.now(UTC))
+    row.status = validated(status, {"conditions": conditions, "message": message})
+
+
 def update_status(row: JobRow, **fields: Any) -> None:
     """Change the job's status; every key and type is checked against `JobStatus`."""
     row.status = validated(dict(row.status or {}), fields)

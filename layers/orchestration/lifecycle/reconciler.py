@@ -33,7 +33,7 @@ from layers.resource.drivers.base import SubtaskState
 from layers.resource.models import ClusterRow
 from layers.resource.stores import is_ready
 from layers.service.contracts import contract_of
-from layers.service.jobs import set_phase, update_status
+from layers.service.jobs import reword_phase, set_phase, update_status
 from layers.service.models import JobRow
 from layers.service.schemas import TrainingJobSpec
 
@@ -195,8 +195,7 @@ class Reconciler:
         update_status(job, attempt=attempt, topology=topo, train=train,
                       checkpointEvery=train["checkpoint_every"], sites=f"0/{len(placement)}")
         await leases.hold(s, job.name, datetime.now(UTC) + timedelta(days=30))
-        set_phase(job, "Launching", "Launching", f"attempt {attempt}: waiting for the agents of "
-                  + ", ".join(sorted({p['cluster'].split('/')[0] for p in placement})) + " to claim their sub-tasks")
+        set_phase(job, "Launching", "Launching", _waiting(attempt, sorted({p['cluster'].split('/')[0] for p in placement})))
         await record_event(s, job.name, "Normal", "Launching", f"Reserved → Launching (attempt {attempt})")
         await s.flush()
 
@@ -221,6 +220,10 @@ class Reconciler:
                     states[t.name] = SubtaskState("Failed", f"no agent of cluster {t.cluster} claimed the sub-task "
                                                   f"within {int(self.cfg.claim_timeout.total_seconds())} s",
                                                   {NEVER_CLAIMED: -9})
+                elif cluster is not None and not (ready := is_ready(cluster, self.cfg.heartbeat_timeout))[0]:
+                    left = int((self.cfg.claim_timeout - waited).total_seconds())
+                    states[t.name] = SubtaskState("Pending", f"{t.cluster} is not Ready ({ready[2]}): re-placed "
+                                                  f"elsewhere if it has not claimed its sub-task in {left} s")
                 continue
             if t.phase == "Launching" and t.reported is None and t.claimed_at is not None \
                     and now - self._heard_since(t.claimed_at) > self.cfg.claim_timeout:  # claimed, then never a word
@@ -249,8 +252,14 @@ class Reconciler:
         working = [t for t in subtasks if t.phase in ("Running", "Succeeded")]  # a finished site did its part
         update_status(job, sites=f"{len(working)}/{len(subtasks)}")
         if job.phase == "Launching" and running:
-            set_phase(job, "Running", "WorkersRunning", f"{len(running)} of {len(subtasks)} sub-tasks running")
+            set_phase(job, "Running", "WorkersRunning", _running(running, subtasks))
             await record_event(s, job.name, "Normal", "Running", "Launching → Running")
+        elif job.phase == "Running":
+            reword_phase(job, "WorkersRunning", _running(running, subtasks))
+        elif job.phase == "Launching":  # say why it still waits when a site it waits for has gone silent
+            silent = [states[t.name].message for t in subtasks if t.name in states and states[t.name].phase == "Pending"]
+            pending = sorted({t.cluster for t in subtasks if t.phase == "Pending"})
+            reword_phase(job, "Launching", "; ".join([_waiting(int(job.status.get("attempt", 1)), pending), *silent]))
         if not live:
             await self._attempt_over(s, job, subtasks)
 
@@ -390,3 +399,11 @@ def _record_accuracy(job: JobRow) -> None:
     update_status(job, measured={"wallSeconds": round(wall, 1), "predictedSeconds": round(float(predicted), 1),
                                  "ratio": round(wall / float(predicted), 3) if predicted else None})
 
+
+def _waiting(attempt: int, clusters: list[str]) -> str:
+    return f"attempt {attempt}: waiting for the agents of {', '.join(clusters)} to claim their sub-tasks"
+
+
+def _running(running: list[SubtaskRow], subtasks: list[SubtaskRow]) -> str:
+    finished = sum(t.phase == "Succeeded" for t in subtasks)
+    return f"{len(running)} of {len(subtasks)} sub-tasks running" + (f", {finished} finished" if finished else "")

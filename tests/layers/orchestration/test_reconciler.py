@@ -164,3 +164,32 @@ async def test_a_restarted_server_does_not_blame_sites_for_its_own_silence(api, 
         row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/outlives-restart",
                                                         SubtaskRow.attempt == 1))).scalar_one()
     assert row.phase == "Lost" and "stopped heartbeating" in (row.message or ""), (row.phase, row.message)
+
+
+async def test_a_job_waiting_on_a_silent_site_says_so_and_running_counts_stay_current(api, db) -> None:  # type: ignore[no-untyped-def]
+    from layers.resource.models import ClusterRow
+
+    await _world(api)
+    await _accept(api, "waits", strategy="ddp")
+    reconciler = _reconciler(db, 3600)
+    await reconciler.reconcile_once()
+    async with db.session() as s:  # its site stops heartbeating before the agent claims the sub-task
+        task = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/waits"))).scalar_one()
+        cluster = (await s.execute(select(ClusterRow).where(ClusterRow.name == task.cluster))).scalar_one()
+        cluster.last_heartbeat_at = datetime.now(UTC) - timedelta(minutes=5)
+    await reconciler.reconcile_once()
+    job = await _job_of(db, "waits")
+    launching = next(c for c in job.status["conditions"] if c["type"] == "Launching")
+    assert job.phase == "Launching" and f"{task.cluster} is not Ready (last heartbeat" in launching["message"], launching
+    assert "re-placed elsewhere if it has not claimed its sub-task in" in job.status["message"], job.status
+    phase_time = job.status["phaseTimes"]["Launching"]
+
+    async with db.session() as s:  # the site comes back, claims and runs it
+        cluster = (await s.execute(select(ClusterRow).where(ClusterRow.name == task.cluster))).scalar_one()
+        cluster.last_heartbeat_at = datetime.now(UTC)
+        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/waits"))).scalar_one()
+        row.phase, row.reported, row.claimed_at = "Running", "Running", datetime.now(UTC)
+    await reconciler.reconcile_once()
+    job = await _job_of(db, "waits")
+    assert job.phase == "Running" and job.status["message"] == "1 of 1 sub-tasks running", job.status
+    assert job.status["phaseTimes"]["Launching"] == phase_time  # rewording is not a transition
