@@ -24,8 +24,9 @@ Each lesson is folded in **log space** (factors are ratios): ``log f += clamp(w 
 (``evidence`` column). So the first full runs count fully and later ones keep following a drifting
 machine, a one-step run moves a factor by at most ``1/FULL_STEPS`` of its (log) miss, and no run
 moves it by more than ×/÷ :data:`BOUND`. The exception is a new lesson's first *full, step-timed*
-run (evidence 1, its factor from the reports' step times): the textbook factor 1 it replaces is a
-guess, not evidence, so that run is taken as measured — one run of the README's world (CPU slots
+run (evidence 1, its factor from the reports' step times, while the lesson holds less than one full
+run's evidence): the factor it replaces (the textbook's 1, or the unscoped lesson a provider's first
+own lesson starts from) is not this lesson's evidence, so that run is taken as measured — one run of the README's world (CPU slots
 declared as H100, ×44,691) corrects its quotes at once instead of after fifteen doublings. A new
 lesson's first short or wall-timed run is weighed and bounded like any other. Start-up is folded the
 same way (evidence 1: it is measured whole), and a new lesson's first start-up is taken as measured
@@ -123,11 +124,12 @@ def step_rate(reports: list[tuple[int, int, float]]) -> tuple[float, int, int] |
     seconds when the rank first reported that step)``; None when no rank reported two distinct steps."""
     by_rank: dict[int, list[tuple[int, float]]] = defaultdict(list)
     for rank, step, wall in reports:
-        by_rank[rank].append((step, wall))
+        if step >= 1:  # step 0 is rank 0's first validation, before any training: the warm-up would count
+            by_rank[rank].append((step, wall))
     rates = []
     for points in by_rank.values():
         (s0, w0), (s1, w1) = min(points), max(points)
-        if s1 > s0 and w1 >= w0:
+        if s1 > s0 and w1 > w0:
             rates.append(((w1 - w0) / (s1 - s0), s1 - s0, s1))
     return max(rates) if rates else None
 
@@ -150,7 +152,7 @@ def observe(*, raw_step: float, steps: int, startup: float, train: float,
 def fold(row: CalibrationRow, seen: Observation) -> None:
     """Fold one observation into its lesson (the rule in the module's docstring)."""
     gathered = row.evidence or 0.0
-    if not gathered and seen.evidence >= 1.0 and seen.steps_timed:  # the first evidence replaces the guess
+    if gathered < 1.0 and seen.evidence >= 1.0 and seen.steps_timed:  # the first full run replaces the guess
         row.step_factor = seen.factor
     else:
         row.step_factor = damped(row.step_factor, seen.factor, seen.evidence * max(1.0 / (gathered + 1.0), ALPHA))
@@ -166,9 +168,14 @@ def _dominant(placement: list[dict], providers: dict[str, str]) -> tuple[str, st
     """The placement's most numerous (GPU model, provider) pair, as the planner reads lessons (perf.py)."""
     gpus: dict[tuple[str, str], int] = {}
     for line in placement:
-        key = (line.get("gpuModel") or "", providers.get(line.get("cluster") or "", ""))
+        key = (line.get("gpuModel") or "", providers.get(_cluster(line), ""))
         gpus[key] = gpus.get(key, 0) + int(line.get("gpus") or 0)
     return max(sorted(gpus), key=gpus.__getitem__) if gpus else None
+
+
+def _cluster(line: dict) -> str:
+    """A placement line's cluster: ``cluster/pool`` when the cluster has several node pools."""
+    return (line.get("cluster") or "").split("/")[0]
 
 
 async def _providers(session: AsyncSession, clusters: set[str]) -> dict[str, str]:
@@ -194,7 +201,7 @@ async def learn(session: AsyncSession, job: JobRow) -> CalibrationRow | None:
     startup, train = _seconds(times, "Launching", "Running"), _seconds(times, "Running", "Succeeded")
     quote = await session.get(QuoteRow, status["quote"])
     placement = status.get("placement") or []
-    key = _dominant(placement, await _providers(session, {line.get("cluster") or "" for line in placement}))
+    key = _dominant(placement, await _providers(session, {_cluster(line) for line in placement}))
     if quote is None or key is None or startup is None or train is None or train < MIN_SECONDS:
         return None
     pred = quote.prediction or {}
@@ -204,11 +211,15 @@ async def learn(session: AsyncSession, job: JobRow) -> CalibrationRow | None:
     model, provider = key
     workload = workload_of(((job.spec or {}).get("code") or {}).get("digest"))
     row = await session.get(CalibrationRow, (model, quote.strategy, workload, provider))
+    # a provider's first own lesson starts where its quotes stood: the unscoped lesson, if any (else the textbook)
+    prior = None if row is not None or not provider else await session.get(
+        CalibrationRow, (model, quote.strategy, workload, ""))
+    known = row.step_factor if row is not None else (prior.step_factor if prior is not None else None)
     seen = observe(raw_step=raw_step, steps=steps, startup=startup, train=train,
-                   rate=step_rate(await _reports(session, job.name, 1)), known=None if row is None else row.step_factor)
-    if row is None:  # from the textbook model (factor 1); its first start-up is taken as measured
+                   rate=step_rate(await _reports(session, job.name, 1)), known=known)
+    if row is None:  # its first start-up is taken as measured; its evidence starts at 0 (the prior is not its own)
         row = CalibrationRow(gpu_model=model, strategy=quote.strategy, workload=workload, provider=provider,
-                             step_factor=1.0, startup_seconds=startup, samples=0, evidence=0.0)
+                             step_factor=known or 1.0, startup_seconds=startup, samples=0, evidence=0.0)
         session.add(row)
     fold(row, seen)
     row.last_ratio = round((startup + train) / quote.predicted_seconds, 4) if quote.predicted_seconds else None

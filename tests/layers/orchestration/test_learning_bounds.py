@@ -144,3 +144,35 @@ async def test_a_one_step_job_does_not_poison_quotes_and_stays_with_its_provider
     assert resp.status == 201, await resp.text()
     assert all(q["model"]["stepFactor"] == pytest.approx(after["stepFactor"], rel=1e-3)
                for q in await _quotes(api, "here"))
+
+
+def test_the_step_rate_skips_step_0_and_refuses_a_flat_slope() -> None:
+    # rank 0 validates at step 0 (5 s), then the first step's warm-up (30 s), then 0.5 s a step
+    reports = [(0, 0, 5.0), (0, 1, 35.0)] + [(0, k, 35.0 + 0.5 * (k - 1)) for k in range(2, 21)]
+    assert step_rate(reports) == pytest.approx((0.5, 19, 20))  # from step 1, not from the validation
+    assert step_rate([(0, 1, 7.0), (0, 20, 7.0)]) is None  # no time passed: nothing to learn
+
+
+def test_a_short_first_run_does_not_stop_the_first_full_run_from_replacing_the_guess() -> None:
+    row = _row()
+    fold(row, Observation(44_691.0, 5.0, 0.2, True))  # a 4-step smoke job: weighed, bounded
+    assert row.step_factor <= BOUND
+    fold(row, Observation(44_691.0, 5.0, 1.0, True))  # then a full one
+    assert row.step_factor == pytest.approx(44_691.0)
+    fold(row, Observation(1.0, 5.0, 1.0, True))  # once it holds a full run, later ones are bounded
+    assert row.step_factor == pytest.approx(44_691.0 / BOUND)
+
+
+async def test_a_providers_first_lesson_starts_from_the_unscoped_one(api, db) -> None:  # type: ignore[no-untyped-def]
+    await _world(api)
+    nyc = {"placement": {"sites": ["nyc-1"]}}
+    await _accept(api, "smoke", strategy="ddp", tokens=4 * 3072, globalBatchTokens=3072, **nyc)
+    raw_step, steps = await _raw_step(db, "smoke")
+    assert steps == 4
+    async with db.session() as s:  # a lesson learnt before lessons were kept per provider
+        s.add(CalibrationRow(gpu_model="CPU", strategy="ddp", workload="lm", provider="", step_factor=40.0,
+                             startup_seconds=6.0, samples=3, evidence=3.0))
+    await _report_steps(db, "smoke", raw_step, 40.0, steps)  # a short run: 3 steps timed
+    await _finish_as_measured(db, "smoke", startup=6.0, train=4.0 + 40.0 * raw_step * steps)
+    mine = next(x for x in await _lessons(api) if x["provider"] == "prov-b")
+    assert mine["stepFactor"] == pytest.approx(40.0, rel=0.05)  # not dragged from the textbook's 1 toward 40
