@@ -27,7 +27,7 @@ def servers(shards: int) -> list[RoundServer]:
     store.set_timeout(timedelta(seconds=5))
     cfg = tiny("ps_backup", backup_workers=1, optimizer="sgd", lr=1.0, warmup_fraction=0.0)
     ctx = SimpleNamespace(cfg=cfg, store=store, timers=None)
-    return [RoundServer(ctx, k, torch.zeros(1), WORKERS, 0, backups=1) for k in range(shards)]  # type: ignore[arg-type]
+    return [RoundServer(ctx, k, torch.zeros(1), WORKERS, 0, backups=1, shards=shards) for k in range(shards)]  # type: ignore[arg-type]
 
 
 def push(server: RoundServer, worker: int, value: float, step: int = 0) -> threading.Thread:

@@ -61,11 +61,13 @@ class RoundServer(Server):
     a shard never waits for a push its sender has not already sent. Without backups the set is every
     live worker, the same at every shard, and needs no store."""
 
-    def __init__(self, ctx: Context, shard: int, theta: torch.Tensor, workers: int, index: int, backups: int):
+    def __init__(self, ctx: Context, shard: int, theta: torch.Tensor, workers: int, index: int, backups: int,
+                 shards: int = 1):
         super().__init__(ctx, shard, theta, workers, index)
         if ctx.cfg.optimizer == "sgd":  # as the other synchronous strategies would step
             self.opt = torch.optim.SGD([self.param], lr=ctx.cfg.lr)
         self.backups = backups
+        self.alone = shards == 1  # no other shard to agree a step's set with: no store round trip
         self.cond = threading.Condition(self.lock)
         self.arrived: dict[int, torch.Tensor] = {}  # this step's pushes, by worker, in arrival order
         self.accepted: tuple[int, ...] | None = None  # this step's workers, once decided (here or elsewhere)
@@ -86,7 +88,7 @@ class RoundServer(Server):
         """Under the lock: this step's accepted workers -- this shard's first arrivals, unless another
         shard posted its set for the step first (then that one)."""
         mine = list(self.arrived)[: self.quorum()]
-        if not self.backups:
+        if not self.backups or self.alone:
             self.accepted = tuple(mine)
             return
         try:
@@ -236,7 +238,7 @@ class SyncPS(AsyncPS):
         backups = self.backups(workers)
         if backups >= workers:
             raise ValueError(f"backup_workers {backups} must be below the {workers} workers of the job")
-        return RoundServer(self.ctx, shard, theta, workers, index, backups)
+        return RoundServer(self.ctx, shard, theta, workers, index, backups, shards=len(self.bounds))
 
     def finish(self, step: int) -> None:
         """Leave every server's steps (the others stop waiting for this worker), then as async_ps."""
