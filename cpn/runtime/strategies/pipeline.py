@@ -500,7 +500,9 @@ class Pipeline(Strategy):
         """The built-in LM's mean loss over ``batches`` (rank 0's validation windows), computed through
         replica 0's stages: rank 0 feeds them, each stage's site leader runs its stage, the last sends the
         mean back. Every rank calls it (the others return at once); rank 0 gets the loss (NaN without
-        batches), every other rank None. The stages' parameters stay where they are."""
+        batches), every other rank None. The stages' parameters stay where they are. The activations cross
+        with the job's codec, as in training's forward: with int8 on the cuts the loss is the pipeline's
+        as it runs, not the whole model's in one process (float32 would move four times the bytes)."""
         ctx = self.ctx
         if self.replica != 0 or not ctx.is_leader:
             return None
@@ -536,6 +538,7 @@ class Pipeline(Strategy):
                 out = self.stage(x.to(self.ctx.device))
             self._send_tensor(out, self._peer(1), EVAL_TAG + 3 * i + 1, "eval")
             self._send(y.to(self.target_dtype).cpu().contiguous(), self._peer(self.P - 1), EVAL_TAG + 3 * i + 2, "eval")
+            self._wait_sends()  # one window's activations in flight at a time: host memory stays one batch's
         loss = torch.empty(1, dtype=torch.float64, device=HOST)
         self._recv(loss, self._peer(self.P - 1), EVAL_LOSS_TAG)
         return float(loss) if batches else float("nan")
@@ -555,6 +558,7 @@ class Pipeline(Strategy):
                 out = self.stage(inp)
             if not self.stage.has_head:
                 self._send_tensor(out, self._peer(self.s + 1), EVAL_TAG + 3 * i + 1, "eval")
+                self._wait_sends()
                 continue
             y = torch.empty((rows, length), dtype=self.target_dtype, device=HOST)
             self._recv(y, self._peer(0), EVAL_TAG + 3 * i + 2)
