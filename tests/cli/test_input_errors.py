@@ -41,6 +41,9 @@ def test_apply_refuses_a_duplicate_key_with_file_and_line(env, tmp_path: Path) -
     path.write_text('{"kind": "TrainingJob", "spec": {"tokens": 30720, "tokens": 99}}')
     proc = run_cli(["cpnctl", "apply", "-f", str(path)], env)
     assert one_line(proc) == f"error: {path}: malformed JSON: duplicate key 'tokens'"
+    path.write_text("apiVersion: cpn/v1\nkind: TrainingJob\nmetadata: {name: bad-date}\nspec:\n  deadline: 2026-02-30\n")
+    proc = run_cli(["cpnctl", "apply", "-f", str(path)], env)  # a YAML value, not JSON, that PyYAML refuses
+    assert one_line(proc).startswith(f"error: {path}: malformed YAML: "), proc.stderr
 
 
 @pytest.mark.parametrize(("args", "said"), [

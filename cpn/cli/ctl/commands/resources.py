@@ -103,12 +103,16 @@ def _read_text(source: str) -> str:
         raise click.ClickException(f"{source}: {(exc.strerror or str(exc)).lower()}") from exc
 
 
+class DuplicateKey(ValueError):
+    """A JSON object gave one key twice."""
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object, refusing a key given twice (json keeps the last silently, as PyYAML would)."""
     seen: dict[str, Any] = {}
     for key, value in pairs:
         if key in seen:
-            raise ValueError(f"duplicate key {key!r}")
+            raise DuplicateKey(f"duplicate key {key!r}")
         seen[key] = value
     return seen
 
@@ -126,8 +130,10 @@ def read_documents(source: str) -> list[dict[str, Any]]:
                                    f"{exc.msg}") from exc
     except ManifestSyntaxError as exc:
         raise click.ClickException(str(exc)) from exc
-    except ValueError as exc:  # _unique_keys
+    except DuplicateKey as exc:
         raise click.ClickException(f"{source}: malformed JSON: {exc}") from exc
+    except ValueError as exc:  # a YAML value its constructor refuses, e.g. the date 2026-02-30
+        raise click.ClickException(f"{source}: malformed YAML: {exc}") from exc
     expanded: list[dict[str, Any]] = []
     for doc in docs:
         if isinstance(doc, dict) and doc.get("kind") == "List":
