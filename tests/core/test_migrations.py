@@ -8,6 +8,7 @@ from sqlalchemy import inspect
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from cpn.core import migrate
+from tests.core.sql import run_sql
 
 
 async def _tables(url: str) -> set[str]:
@@ -61,32 +62,20 @@ def test_schema_matches_models(db_url: str) -> None:
 
 def test_existing_jobs_move_into_their_owners_namespaces(db_url: str) -> None:
     """0011: a job `lm` of alice's becomes `alice/lm`, and so do the rows that name it; down and back."""
-    from sqlalchemy import text
-
     now = "2026-11-23 00:00:00"
     tracked = f"'{now}', '{now}', 1"
 
-    async def run(*statements: str) -> list[tuple]:
-        engine = create_async_engine(db_url)
-        async with engine.begin() as conn:
-            rows: list[tuple] = []
-            for sql in statements:
-                result = await conn.execute(text(sql))
-                rows = [tuple(r) for r in result] if result.returns_rows else []
-        await engine.dispose()
-        return rows
-
     migrate.downgrade(db_url, "0010")
-    asyncio.run(run(
+    run_sql(db_url,
         f"INSERT INTO accounts (id, name, role, disabled, created_at, updated_at, resource_version) "
         f"VALUES ('a1', 'alice', 'user', false, {tracked})",
         f"INSERT INTO jobs (id, name, labels, spec, status, owner_id, phase, created_at, updated_at, resource_version) "
         f"VALUES ('j1', 'lm', '{{}}', '{{}}', '{{}}', 'a1', 'Succeeded', {tracked})",
         f"INSERT INTO events (id, at, job, type, reason, message, created_at, updated_at, resource_version) "
-        f"VALUES ('e1', '{now}', 'lm', 'Normal', 'Submitted', 'x', {tracked})"))
+        f"VALUES ('e1', '{now}', 'lm', 'Normal', 'Submitted', 'x', {tracked})")
     migrate.upgrade(db_url, "head")
-    assert asyncio.run(run("SELECT name FROM jobs")) == [("alice/lm",)]
-    assert asyncio.run(run("SELECT job FROM events")) == [("alice/lm",)]
+    assert run_sql(db_url, "SELECT name FROM jobs") == [("alice/lm",)]
+    assert run_sql(db_url, "SELECT job FROM events") == [("alice/lm",)]
     migrate.downgrade(db_url, "0010")
-    assert asyncio.run(run("SELECT name FROM jobs")) == [("lm",)]
+    assert run_sql(db_url, "SELECT name FROM jobs") == [("lm",)]
     migrate.upgrade(db_url, "head")
