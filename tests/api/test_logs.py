@@ -67,6 +67,9 @@ async def test_filters_site_rank_attempt_and_tail(api, db) -> None:  # type: ign
     assert resp.status == 404 and (await resp.json())["error"]["field"] == "site"
     resp = await api.client.get("/api/v1/jobs/filtered/logs", params={"attempt": "2"}, headers=api.auth("alice"))
     assert resp.status == 404 and "no attempt 2" in (await resp.json())["error"]["message"]
+    resp = await api.client.get("/api/v1/jobs/filtered/logs", params={"rank": "7"}, headers=api.auth("alice"))
+    err = (await resp.json())["error"]
+    assert resp.status == 404 and err["field"] == "rank" and "no rank 7 (its ranks: 0-1)" in err["message"], err
     resp = await api.client.get("/api/v1/jobs/filtered/logs", headers=api.auth("bob"))
     assert resp.status == 404  # another user's job
 

@@ -71,6 +71,11 @@ async def open_logs(s: AsyncSession, principal: Principal, name: str, query: Log
         raise errors.NotFound(f"job {job.name!r} has no attempt {query.attempt} "
                               f"({f'it is at attempt {current}' if current else 'no attempt started yet'}); "
                               "-f waits for it", field="attempt")
+    if query.rank is not None and not query.follow:
+        ranks = await s.scalar(select(func.max(SubtaskRow.first_rank + SubtaskRow.gpus)).where(SubtaskRow.job == job.name))
+        if not ranks or query.rank >= ranks:
+            raise errors.NotFound(f"job {job.name!r} has no rank {query.rank} "
+                                  f"({f'its ranks: 0-{ranks - 1}' if ranks else 'no attempt started yet'})", field="rank")
     first = query.attempt or (max(current, 1) if query.follow else current)
     return LogCursor(job.name, first, query)
 
