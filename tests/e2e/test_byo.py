@@ -53,6 +53,8 @@ def trains(w: World, manifest: Path, name: str, tmp: Path) -> dict:
     out = cpnctl(w, "wait", name, "--timeout", "600")
     job = w.call(w.user, "GET", f"/api/v1/jobs/{name}")
     assert out.returncode == 0 and job["status"]["phase"] == "Succeeded", (out.stderr, job["status"])
+    said = [line for line in out.stdout.splitlines() if line.startswith(f"{name}: ")]  # not a terminal: lines, no bar
+    assert any(" Running " in line for line in said) and f"{name}: Succeeded 100% loss" in said[-1], out.stdout
     subtasks = w.call(w.user, "GET", f"/api/v1/jobs/{name}/subtasks")["items"]
     assert len({t["spec"]["cluster"] for t in subtasks}) == 2, subtasks  # across two sites
     assert job["status"]["progress"]["percent"] == 100.0

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from typing import Any
+
 import click
 
 from cpn.cli.ctl import output
@@ -87,32 +91,51 @@ def logs(obj: Ctx, job: str, site: str | None, follow: bool, rank: int | None, a
 @click.option("--interval", type=float, default=1.0, show_default=True)
 @pass_ctx
 def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
-    """Wait for JOB to finish, with a live progress bar; exit 1 unless it Succeeded."""
-    import time
-
-    start = time.monotonic()
+    """Wait for JOB to finish, with a live progress bar (on a terminal; elsewhere a line at each phase and
+    every 10 %); exit 1 unless it Succeeded."""
     phase = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"].get("phase")
     if phase in WAITING_FOR_USER:
         raise click.ClickException(WAITING_FOR_USER[phase].format(job=job))
-    with click.progressbar(length=1000, label=job, show_percent=True, show_eta=False,
-                           item_show_func=lambda s: s) as bar:
-        done = 0
-        while True:
-            st = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"]
-            prog = st.get("progress") or {}
-            target = int(10 * float(prog.get("percent") or 0))
-            bar.update(max(0, target - done), f"{st['phase']} loss {prog.get('loss') or '-'} "
-                                              f"cost {(st.get('cost') or {}).get('total', '0.00')} "
-                                              f"{(st.get('cost') or {}).get('currency', '')}".rstrip())
-            done = max(done, target)
-            if st["phase"] in TERMINAL:
-                break
-            if timeout and time.monotonic() - start > timeout:
-                raise click.ClickException(f"{job} still {st['phase']} after {timeout:.0f}s")
-            time.sleep(interval)
+    statuses = _until_done(obj, job, timeout, interval)
+    if click.get_text_stream("stdout").isatty():
+        with click.progressbar(length=1000, label=job, show_percent=True, show_eta=False,
+                               item_show_func=lambda s: s) as bar:
+            done = 0
+            for st in statuses:
+                target = int(10 * float((st.get("progress") or {}).get("percent") or 0))
+                bar.update(max(0, target - done), _progress_text(st))
+                done = max(done, target)
+    else:  # a pipe, a CI log: no bar to redraw, so a line whenever the phase or the tens of percent move
+        said = None
+        for st in statuses:
+            mark = (st["phase"], int(float((st.get("progress") or {}).get("percent") or 0)) // 10)
+            if mark != said:
+                click.echo(f"{job}: {_progress_text(st, percent=True)}")
+                said = mark
+    st = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"]
     click.echo(f"trainingjob/{job} {st['phase']}: {st.get('message', '')}")
     if st["phase"] != "Succeeded":
         raise click.ClickException(f"{job} ended {st['phase']}")
+
+
+def _until_done(obj: Ctx, job: str, timeout: float, interval: float) -> Iterator[dict[str, Any]]:
+    """The job's status every ``interval`` seconds, the last one terminal; a ClickException after ``timeout``."""
+    start = time.monotonic()
+    while True:
+        st = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"]
+        yield st
+        if st["phase"] in TERMINAL:
+            return
+        if timeout and time.monotonic() - start > timeout:
+            raise click.ClickException(f"{job} still {st['phase']} after {timeout:.0f}s")
+        time.sleep(interval)
+
+
+def _progress_text(st: dict[str, Any], *, percent: bool = False) -> str:
+    prog, cost = st.get("progress") or {}, st.get("cost") or {}
+    share = f" {float(prog.get('percent') or 0):.0f}%" if percent else ""
+    return (f"{st['phase']}{share} loss {prog.get('loss') or '-'} "
+            f"cost {cost.get('total', '0.00')} {cost.get('currency', '')}").rstrip()
 
 
 @cli.command()
