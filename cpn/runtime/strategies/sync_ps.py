@@ -47,6 +47,8 @@ PUSHED = "cpn/ps/pushed"
 ROUND = "cpn/ps/round"  # per step: the workers whose pushes every shard applies (ps_backup)
 ROUNDS = "cpn/ps/rounds"  # per replica that served: the workers it applied, per step
 SHORT = "cpn/ps/short"
+ROUNDS_KEPT = 2000  # steps whose applied sets a replica keeps for the summary's cross-shard check (a long job's
+# every step would grow the servers' memory and the store's final message without telling more)
 
 
 class RoundServer(Server):
@@ -125,7 +127,8 @@ class RoundServer(Server):
             self._drop(w)
         lr = as_sent(lr_at(self.ctx.cfg, progress))
         mean = torch.stack([self.arrived[w] for w in used]).sum(0) / len(used)
-        self.rounds[self.version] = sorted(used)
+        if len(self.rounds) < ROUNDS_KEPT:
+            self.rounds[self.version] = sorted(used)
         self._step(mean, lr)
         self._forward(FWD_UPDATE, mean, lr)
         self.arrived, self.accepted = {}, None
