@@ -139,6 +139,12 @@ async def snapshot(session: AsyncSession, heartbeat_timeout: timedelta, now: dat
     return list(found.offers), list(found.links), list(found.clusters)
 
 
+def offer_cluster(offer: str) -> str:
+    """The cluster an offer's name (``cluster``, or ``cluster/pool`` for a cluster of several node pools)
+    belongs to: what placement, quote and price lines name."""
+    return offer.split("/")[0]
+
+
 def _offers(clusters: list[ClusterView], leased: dict[str, int]) -> list[PoolOffer]:
     offers: list[PoolOffer] = []
     for cluster in clusters:

@@ -76,7 +76,6 @@ class RoundServer(Server):
         self.rounds: dict[int, list[int]] = {}  # per step this replica applied: the workers applied
         self.short = 0  # steps applied without every accepted push (its worker lost, or the step timed out)
         self.gone: set[int] = set()
-        self.dropped = 0
         self.pushed_by: Counter[int] = Counter()  # per worker rank: which site's gradients the steps miss
         self.dropped_by: Counter[int] = Counter()
         self.progress = 0.0
@@ -110,10 +109,6 @@ class RoundServer(Server):
         if self.accepted is not None and not self._missing():
             self._apply_round(self.progress)
 
-    def _drop(self, worker: int) -> None:
-        self.dropped += 1
-        self.dropped_by[worker] += 1
-
     def _apply_round(self, progress: float) -> None:
         """Under the lock: one optimiser step on the mean of the accepted pushes here, forwarded; the
         step's other pushes are dropped."""
@@ -124,7 +119,7 @@ class RoundServer(Server):
         if len(used) < len(self.accepted):
             self.short += 1
         for w in self.arrived.keys() - set(used):
-            self._drop(w)
+            self.dropped_by[w] += 1
         lr = as_sent(lr_at(self.ctx.cfg, progress))
         mean = torch.stack([self.arrived[w] for w in used]).sum(0) / len(used)
         if len(self.rounds) < ROUNDS_KEPT:
@@ -144,7 +139,7 @@ class RoundServer(Server):
                 self.arrived[worker] = grad
                 self._advance()
             else:
-                self._drop(worker)
+                self.dropped_by[worker] += 1
             deadline = time.monotonic() + self.patience
             while self.version <= step:
                 left = deadline - time.monotonic()
@@ -249,7 +244,7 @@ class SyncPS(AsyncPS):
         self._rpc(torch.zeros(numel, device=HOST), OP_LEAVE)
         servers = [s for s in self.local.values() if isinstance(s, RoundServer)]
         self._settle(servers)
-        self.ctx.store.add(DROPPED, sum(s.dropped for s in servers))
+        self.ctx.store.add(DROPPED, sum(sum(s.dropped_by.values()) for s in servers))
         for w in range(self.ctx.groups.world_size):
             self.ctx.store.add(f"{PUSHED}/{w}", sum(s.pushed_by[w] for s in servers))
             self.ctx.store.add(f"{DROPPED}/{w}", sum(s.dropped_by[w] for s in servers))

@@ -52,6 +52,7 @@ from sqlalchemy import func, literal, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core.db import as_utc
+from layers.control.capacity import offer_cluster
 from layers.orchestration.lifecycle.models import CalibrationRow, MetricRow
 from layers.orchestration.planning.types import Learned, Lesson, workload_of
 from layers.resource.models import ClusterRow, SiteRow
@@ -175,7 +176,7 @@ def _dominant(placement: list[dict], providers: dict[str, str]) -> tuple[str, st
 
 def _cluster(line: dict) -> str:
     """A placement line's cluster: ``cluster/pool`` when the cluster has several node pools."""
-    return (line.get("cluster") or "").split("/")[0]
+    return offer_cluster(line.get("cluster") or "")
 
 
 async def _providers(session: AsyncSession, clusters: set[str]) -> dict[str, str]:

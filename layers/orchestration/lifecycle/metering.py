@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core.db import as_utc
 from cpn.core.phases import SUBTASK_FAILED
+from layers.control.capacity import offer_cluster
 from layers.orchestration.lifecycle.agents import MAX_RANK
 from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.resource.models import ClusterRow, SiteRow
@@ -38,7 +39,7 @@ def _price_lines(job: JobRow) -> list[dict[str, Any]]:
 
 
 def _cluster(line: dict[str, Any]) -> str:
-    return str(line["cluster"]).split("/")[0]
+    return offer_cluster(str(line["cluster"]))
 
 
 def _unit_prices(job: JobRow) -> tuple[dict[str, Decimal], dict[str, Decimal]]:

@@ -20,6 +20,7 @@ from cpn.core.db import Database, as_utc
 from cpn.core.phases import JOB_ACTIVE, NEVER_CLAIMED, NEVER_STARTED, NOT_LAUNCHED, SUBTASK_DONE, JobPhase
 from cpn.core.settings import Settings
 from layers.control import leases
+from layers.control.capacity import offer_cluster
 from layers.orchestration.events import record_event
 from layers.orchestration.identity.tokens import revoke_job_tokens
 from layers.orchestration.jobs import profile, workflow
@@ -183,7 +184,7 @@ class Reconciler:
         clusters = {c.name: c for c in (await s.execute(select(ClusterRow))).scalars()}
         offsets = rank_offsets(topo, placement)
         for p in placement:
-            cluster = p["cluster"].split("/")[0]
+            cluster = offer_cluster(p["cluster"])
             name = f"{job.name}-{cluster}"
             s.add(SubtaskRow(job=job.name, name=name, attempt=attempt, launch_key=f"{job.name}/{name}/{attempt}",
                              cluster=cluster, site=p["site"], site_index=index[p["site"]], gpus=int(p["gpus"]),
@@ -195,7 +196,7 @@ class Reconciler:
         update_status(job, attempt=attempt, topology=topo, train=train,
                       checkpointEvery=train["checkpoint_every"], sites=f"0/{len(placement)}")
         await leases.hold(s, job.name, datetime.now(UTC) + timedelta(days=30))
-        set_phase(job, "Launching", "Launching", _waiting(attempt, sorted({p['cluster'].split('/')[0] for p in placement})))
+        set_phase(job, "Launching", "Launching", _waiting(attempt, sorted({offer_cluster(p["cluster"]) for p in placement})))
         await record_event(s, job.name, "Normal", "Launching", f"Reserved → Launching (attempt {attempt})")
         await s.flush()
 

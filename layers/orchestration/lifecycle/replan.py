@@ -60,7 +60,7 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
             if not replicated or req.data_replicas <= 1:
                 raise _infeasible(req, exc, failed_sites, {o.site for o in offers}) from exc
             req = dataclasses.replace(req, data_replicas=req.data_replicas - 1)  # the replicas the live sites hold
-    wants = [leases.Want(subtask=subtask_name(job.name, a.cluster), cluster=a.cluster.split("/")[0], gpus=a.gpus)
+    wants = [leases.Want(subtask=subtask_name(job.name, a.cluster), cluster=capacity.offer_cluster(a.cluster), gpus=a.gpus)
              for a in plan.assignments]
     try:
         await leases.reserve(s, job=job.name, owner_id=job.owner_id, contract_id=job.status.get("contract"),
@@ -84,10 +84,10 @@ def _record_prices(job: JobRow, plan: Plan, market: capacity.OfferSet) -> None:
     pred = plan.prediction
     lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices,
                                 link_owners) + pricing.data_transfer_lines(_transfers(plan), sellers)
-    quoted = {(q["item"], q["cluster"].split("/")[0]) for q in job.status.get("quoteLines", [])}
+    quoted = {(q["item"], capacity.offer_cluster(q["cluster"])) for q in job.status.get("quoteLines", [])}
     attempt, at = int(job.status.get("attempt") or 1) + 1, datetime.now(UTC).isoformat()
     new = [{**line, "attempt": attempt, "at": at} for line in lines
-           if (line["item"], line["cluster"].split("/")[0]) not in quoted]
+           if (line["item"], capacity.offer_cluster(line["cluster"])) not in quoted]
     if new:
         update_status(job, repricedLines=[*job.status.get("repricedLines", []), *new])
 
