@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from cpn.core import errors
 from cpn.core.principal import Principal
 from layers.control import leases
+from layers.control.capacity import offer_cluster
 from layers.control.models import LeaseRow
 from layers.service import billing
 from layers.service import quotes as quotes_mod
@@ -56,7 +57,7 @@ async def accept(session: AsyncSession, principal: Principal, job_name: str, ref
                            quoted_total=quote.total, currency=quote.currency, state="active")
     session.add(contract)
     await session.flush()
-    wants = [leases.Want(subtask=subtask_name(job.name, p["cluster"]), cluster=p["cluster"].split("/")[0],
+    wants = [leases.Want(subtask=subtask_name(job.name, p["cluster"]), cluster=offer_cluster(p["cluster"]),
                          gpus=int(p["gpus"])) for p in quote.placement]
     try:
         taken = await leases.reserve(session, job=job.name, owner_id=job.owner_id, contract_id=contract.id,

@@ -32,7 +32,7 @@ from cpn.core import errors
 from cpn.core.db import as_utc
 from cpn.core.phases import PROFILE_ATTEMPT, SUBTASK_DONE, JobPhase, SubtaskPhase
 from layers.control import leases
-from layers.control.capacity import snapshot
+from layers.control.capacity import offer_cluster, snapshot
 from layers.orchestration.events import record_event
 from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.orchestration.lifecycle.plan import attempt_plan
@@ -96,7 +96,7 @@ async def start(session: AsyncSession, job: JobRow, spec: TrainingJobSpec, rows:
     if not rows:
         raise errors.Infeasible("no placement can run the job, so there is nowhere to profile it", field="spec")
     line = profile_site(rows)
-    cluster = line["cluster"].split("/")[0]
+    cluster = offer_cluster(line["cluster"])
     pool_offers, links, _ = await snapshot(session, heartbeat_timeout, now)
     offer = next(o for o in pool_offers if o.offer == line["cluster"])
     try:
