@@ -8,6 +8,7 @@ The lead mounts :data:`train_cmd` as ``cpn train`` and :data:`bench_training_cmd
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, get_args
 
@@ -113,9 +114,16 @@ def _explain(exc: ValueError) -> str:
     said: dict[str, str] = {}
     for e in exc.errors():
         where = _where(tuple(str(part) for part in e["loc"]))
-        said.setdefault(where, f"{where}: {e['msg'].removeprefix('Value error, ')}" if where else
-                        e["msg"].removeprefix("Value error, "))
+        msg = e["msg"].removeprefix("Value error, ")
+        said.setdefault(where, f"{where}: {msg}" if where else _with_options(msg))
     return "; ".join(said.values())
+
+
+def _with_options(msg: str) -> str:
+    """A check across several fields (no location) names the config's fields: say the options instead."""
+    for path, option in OPTION_OF.items():
+        msg = re.sub(rf"(?<![\w.]){re.escape(path)}\b", option, msg)
+    return msg
 
 
 def _where(loc: tuple[str, ...]) -> str:

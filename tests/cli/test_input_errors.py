@@ -51,6 +51,7 @@ def test_apply_refuses_a_duplicate_key_with_file_and_line(env, tmp_path: Path) -
     (["--inner-steps", "0"], "--inner-steps: Input should be greater than or equal to 1"),
     (["--global-batch", "0"], "--global-batch: Input should be greater than 0"),
     (["--sites", "0"], "'--sites': 0 is not in the range x>=1"),
+    (["--global-batch", "960"], "--global-batch 960 is not a multiple of --seq-len 128: use 896"),  # two options
     (["--workers-per-site", "0"], "'--workers-per-site': 0 is not in the range x>=1"),
 ])
 def test_cpn_train_names_the_option_and_exits_2(env, args: list[str], said: str) -> None:
