@@ -128,10 +128,12 @@ def _summary(client: Client, job: dict[str, Any], wall: float) -> None:
         final_by_rank[m["rank"]] = max(final_by_rank.get(m["rank"], 0.0), m.get("wanBytes") or 0.0)
     wan = sum(final_by_rank.values())
     invoices = client.get("/api/v1/invoices", job=job["metadata"]["name"])["items"]
-    per_provider: dict[str, Decimal] = {}
+    per_provider: dict[str, Decimal] = {}  # each provider's payout: its share of the invoice's total, to the cent
+    exact = Decimal(0)  # the lines, before the invoice rounds its total
     for inv in invoices:
-        for line in inv["status"]["lines"]:
-            per_provider[line["provider"]] = per_provider.get(line["provider"], Decimal(0)) + Decimal(line["amount"])
+        for share in inv["status"]["providers"]:
+            per_provider[share["provider"]] = per_provider.get(share["provider"], Decimal(0)) + Decimal(share["total"])
+            exact += Decimal(share["subtotal"])
     click.echo("")
     click.echo(f"job {job['metadata']['name']}: {job['status']['phase']} — {job['status'].get('message', '')}")
     if vals:
@@ -146,7 +148,6 @@ def _summary(client: Client, job: dict[str, Any], wall: float) -> None:
     click.echo(f"  cost total        {billed} USD (lines exact to 6 places, the invoice total to the cent)")
     quote = next(iter(client.get(f"/api/v1/jobs/{job['metadata']['name']}/quotes")["items"]), None)
     if quote is not None:
-        exact = sum(per_provider.values(), Decimal(0))  # the lines, before the invoice rounds its total
         _quoted_vs_measured(quote, wall, wan / 1e9, exact)
 
 
