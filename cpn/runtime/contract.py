@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_METRICS_TOKEN, ENV_RUN_DIR, TrainConfig
 from cpn.runtime.topology import Topology
@@ -53,7 +53,7 @@ class Endpoint(_Model):
     """Where the workers of one attempt meet (the TCP store of global rank 0)."""
 
     host: str = Field(min_length=1, max_length=253)
-    port: int = Field(gt=0, lt=65536)
+    port: StrictInt = Field(gt=0, lt=65536)  # strict: `true` is not a port
 
 
 class CodeRef(_Model):

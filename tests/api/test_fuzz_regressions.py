@@ -61,3 +61,19 @@ async def test_405_says_allow_and_document_states_the_rules(api) -> None:
     assert site_spec["properties"]["region"]["pattern"] == "^[a-z0-9][-a-z0-9]{0,62}$"
     assert doc["paths"]["/api/v1/sites/{name}"]["delete"]["responses"]["200"]["content"]["application/json"][
         "schema"] == {"$ref": "#/components/schemas/Status"}
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("status", {"phase": "Failed", "exitCodes": {"k": True}}, "exitCodes.k"),
+    ("logs", {"lines": [{"rank": True, "line": "x"}]}, "lines[0].rank"),
+    ("claim", {"rendezvous": {"host": "h", "port": True}}, "rendezvous.port"),
+])
+async def test_true_is_not_a_number_in_the_agent_protocol(api, path: str, body: dict, field: str) -> None:
+    """schemathesis (CI, ST201): `exitCodes: {k: true}` was accepted as exit code 1 — pydantic's lax mode
+    reads a boolean as an integer where the published schema says integer."""
+    r = await api.client.post(f"/api/v1/subtasks/0b5a1b5e-0000-4000-8000-000000000000/{path}", json=body,
+                              headers=api.auth("prov-a"))
+    out = await r.json()
+    assert r.status == 422, out
+    fields = [out["error"].get("field"), *(d["field"] for d in out["error"].get("details", []))]
+    assert field in fields, out

@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -47,11 +47,12 @@ class ClaimRequest(_Body):
 class SubtaskReport(_Body):
     phase: Literal["Launching", "Running", "Succeeded", "Failed", "Cancelled", "Lost"]
     message: str = Field(default="", max_length=2000)
-    exit_codes: dict[str, int | None] = Field(default_factory=dict, alias="exitCodes", max_length=4096)
+    exit_codes: dict[str, StrictInt | None] = Field(  # StrictInt: `true` is not an exit code (lax mode reads 1)
+        default_factory=dict, alias="exitCodes", max_length=4096)
 
 
 class LogLineIn(_Body):
-    rank: int = Field(ge=0, le=MAX_RANK)
+    rank: StrictInt = Field(ge=0, le=MAX_RANK)
     line: str = Field(max_length=MAX_LOG_LINE)
 
 
