@@ -16,10 +16,10 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_METRICS_TOKEN, ENV_RUN_DIR, TrainConfig
 from cpn.runtime.topology import Topology
@@ -45,6 +45,17 @@ class ENV:
     DATA_URI = "CPN_DATA_URI"  # this site's replica of spec.dataset: cpn.train's job.data_uri
 
 
+def _not_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError(f"must be a whole number, got {str(v).lower()}")
+    return v
+
+
+# An integer of the agent protocol: `true` is refused (pydantic's lax mode reads it as 1), a whole
+# float such as 6724.0 is taken (JSON Schema's `integer` allows it).
+Integer = Annotated[int, BeforeValidator(_not_bool)]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -53,7 +64,7 @@ class Endpoint(_Model):
     """Where the workers of one attempt meet (the TCP store of global rank 0)."""
 
     host: str = Field(min_length=1, max_length=253)
-    port: StrictInt = Field(gt=0, lt=65536)  # strict: `true` is not a port
+    port: Integer = Field(gt=0, lt=65536)
 
 
 class CodeRef(_Model):

@@ -77,3 +77,10 @@ async def test_true_is_not_a_number_in_the_agent_protocol(api, path: str, body: 
     assert r.status == 422, out
     fields = [out["error"].get("field"), *(d["field"] for d in out["error"].get("details", []))]
     assert field in fields, out
+
+
+async def test_a_whole_float_is_an_integer_in_the_agent_protocol(api) -> None:
+    """…while 6724.0 is one (JSON Schema's integer; schemathesis sent it and a strict int refused it)."""
+    r = await api.client.post("/api/v1/subtasks/0b5a1b5e-0000-4000-8000-000000000000/logs",
+                              json={"lines": [{"rank": 6724.0, "line": "x"}]}, headers=api.auth("prov-a"))
+    assert r.status == 404, await r.json()  # valid body, unknown sub-task

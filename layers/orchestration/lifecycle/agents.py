@@ -11,14 +11,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
 from cpn.core.phases import SUBTASK_DONE, SubtaskPhase
 from cpn.core.principal import Principal, Role
-from cpn.runtime.contract import AttemptSpec, CodeRef, DataRef, Endpoint
+from cpn.runtime.contract import AttemptSpec, CodeRef, DataRef, Endpoint, Integer
 from layers.orchestration.identity.models import Account
 from layers.orchestration.identity.tokens import issue_token
 from layers.orchestration.jobs.data import data_ref
@@ -47,12 +47,11 @@ class ClaimRequest(_Body):
 class SubtaskReport(_Body):
     phase: Literal["Launching", "Running", "Succeeded", "Failed", "Cancelled", "Lost"]
     message: str = Field(default="", max_length=2000)
-    exit_codes: dict[str, StrictInt | None] = Field(  # StrictInt: `true` is not an exit code (lax mode reads 1)
-        default_factory=dict, alias="exitCodes", max_length=4096)
+    exit_codes: dict[str, Integer | None] = Field(default_factory=dict, alias="exitCodes", max_length=4096)
 
 
 class LogLineIn(_Body):
-    rank: StrictInt = Field(ge=0, le=MAX_RANK)
+    rank: Integer = Field(ge=0, le=MAX_RANK)
     line: str = Field(max_length=MAX_LOG_LINE)
 
 
