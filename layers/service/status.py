@@ -78,6 +78,8 @@ class JobStatus(CamelModel):
     attempt: int = 0
     topology: dict[str, Any] | None = None
     train: dict[str, Any] | None = None
+    # the attempt goes on without a lost site (lifecycle/plan.survives_site_loss); None: by strategy name
+    elastic: bool | None = None
     checkpoint_every: int = 0
     sites: str | None = None
     failed_sites: list[dict[str, Any]] = Field(default_factory=list)

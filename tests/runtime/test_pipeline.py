@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpn.runtime.config import StrategyConfig, TrainConfig, trim_shares
+from cpn.runtime.config import FaultConfig, StrategyConfig, TrainConfig, trim_shares
 from cpn.runtime.data import ShardSampler, load_corpus, split_corpus, val_batches
 from cpn.runtime.model import build_model, count_parameters
 from cpn.runtime.stages import Stage, cut_model, partition, unit_sizes
@@ -189,6 +189,23 @@ def test_replicas_of_the_pipeline_average_as_local_sgd_and_lower_the_loss(tmp_pa
     split = (summary["wan_activation_bytes"] + summary["wan_gradient_bytes"] + summary["wan_eval_bytes"]
              + summary["wan_replica_bytes"])
     assert split == summary["wan_bytes"]
+
+
+@pytest.mark.parametrize("lost", [3, 2])
+def test_with_two_replicas_the_other_goes_on_when_a_site_is_lost(lost: int, tmp_path: Path) -> None:
+    """Issue 14, item 3: 2 replicas x 2 stages averaged every 4 steps; a site of replica 1 (its stage 1,
+    site 3, or its stage 0, site 2) dies at step 10. Replica 1's live site leaves cleanly, the next
+    averaging drops it, and replica 0 trains the budget to its end (its half of every step) — no restart."""
+    cfg = pipe(steps=40, compression="none", stages=2, inner_steps=4).model_copy(
+        update={"faults": FaultConfig(kill_site=lost, kill_at_step=10)})
+    summary = run(cfg, tmp_path, 4, 1)
+    assert summary["live_sites"] == [0, 1] and summary["live_replicas"] == [0], summary
+    assert 0 in summary["finished_ranks"] and 1 in summary["finished_ranks"], summary
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0, summary
+    survivor = 5 - lost  # replica 1's other site
+    log = (tmp_path / "logs" / f"rank{survivor}.log")
+    text = log.read_text() if log.exists() else "\n".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
+    assert "pipeline replica 1 lost a site" in text, text[-2000:]
 
 
 def test_preflight_refuses_a_pipeline_it_cannot_run() -> None:

@@ -13,18 +13,23 @@ ssp            parameters to all sites; a site may lead by <= s steps      no   
 async_ps       gradients to sharded parameter servers, fresh params back   yes      none
 ps_sync        the same; servers apply the mean of every worker's push     no       every step
 ps_backup      the same; servers apply the first N-b pushes, drop the rest no       first N-b
-pipeline       activations forward, their gradients back, between          no       every step
+pipeline       activations forward, their gradients back, between          no (1)   every step
                consecutive stages (one per site, 1F1B micro-batches)
 =============  ==========================================================  =======  =========
+
+(1) With D >= 2 replicas averaged every H > 1 steps, a replica that loses a site stops and the others
+    go on (:meth:`Strategy.survives`); one replica, or H = 1, restarts from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from cpn.runtime.config import TrainConfig
 from cpn.runtime.strategies.base import Context, Strategy
+from cpn.runtime.topology import Topology
 
-__all__ = ["STRATEGIES", "Context", "Strategy", "build_strategy", "strategy_class"]
+__all__ = ["STRATEGIES", "Context", "Strategy", "build_strategy", "strategy_class", "survives_site_loss"]
 
 STRATEGIES: dict[str, str] = {
     "ddp": "cpn.runtime.strategies.ddp:DDP",
@@ -50,3 +55,12 @@ def strategy_class(name: str) -> type[Strategy]:
 
 def build_strategy(ctx: Context) -> Strategy:
     return strategy_class(ctx.cfg.strategy.name)(ctx)
+
+
+def survives_site_loss(cfg: TrainConfig, topology: Topology) -> bool:
+    """Whether a job of ``cfg`` on ``topology`` goes on when a site is lost (its strategy as autotune
+    resolves it); False: the attempt stops and restarts from its latest checkpoint."""
+    from cpn.runtime.autotune import resolve
+
+    resolved = resolve(cfg, topology)
+    return strategy_class(resolved.strategy.name).survives(resolved, topology)

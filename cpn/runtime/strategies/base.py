@@ -262,6 +262,12 @@ class Strategy:
         (a ValueError that says how to fix it); :func:`cpn.runtime.train.preflight` calls it.
         ``builtin_model``: the job trains CPN's built-in LM (False: a user's code builds its model)."""
 
+    @classmethod
+    def survives(cls, cfg: TrainConfig, topology: Topology) -> bool:
+        """Whether the job goes on without a lost site (the live sites finish it), for ``cfg`` as resolved
+        on ``topology``; :func:`cpn.runtime.strategies.survives_site_loss` asks it for the orchestrator."""
+        return cls.elastic
+
     def __init__(self, ctx: Context):
         self.ctx, self.cfg, self.model = ctx, ctx.cfg, ctx.model
         self.opt = make_optimizer(self.cfg, params_of(self.model))
@@ -483,18 +489,24 @@ class SiteExchange:
     death failed it) is waited for only until ``wan_timeout_seconds`` after the coordinator's failed
     exchange began waiting (it already waited for it there), not a whole timeout more."""
 
-    COORDINATOR = 0
     DROPPED = "dropped"  # the store key (under the exchange's prefix) of the latest check-in's dropped sites
 
-    def __init__(self, ctx: Context, name: str = "wan"):
+    def __init__(self, ctx: Context, name: str = "wan", *, sites: list[int] | None = None,
+                 compression: str | None = None, weighted: bool = True):
+        """``sites``: the sites that exchange (default every site; the first coordinates: it must be the
+        one that outlives the others); ``compression``: the codec (default ``strategy.compression``);
+        ``weighted``: weigh each site's vector by its share of the batch."""
         self.ctx = ctx
         self.store = dist.PrefixStore(f"cpn/{name}", ctx.store)
         self.site = ctx.site
-        self.members = list(range(ctx.num_sites))
+        self.sites = list(range(ctx.num_sites)) if sites is None else list(sites)
+        self.coordinator = self.sites[0]
+        self.members = list(self.sites)
+        self.weighted = weighted
         self.gen = -1
         self.pg: dist.ProcessGroup | None = None
         self.timeout = timedelta(seconds=ctx.cfg.strategy.wan_timeout_seconds)
-        self.codec = get_codec(ctx.cfg.strategy.compression)
+        self.codec = get_codec(ctx.cfg.strategy.compression if compression is None else compression)
         self.ef = ErrorFeedback() if self.codec is not None else None
         self.failed: tuple[int, float] | None = None  # this site's last failed exchange: (round, when its wait began)
 
@@ -511,7 +523,7 @@ class SiteExchange:
     def join(self, rnd: int) -> bool:
         """Check in for round ``rnd``; True when this site takes part in the exchange."""
         self.store.set(f"r{rnd}/arrive/{self.site}", "1")
-        if self.site == self.COORDINATOR:
+        if self.site == self.coordinator:
             self._decide(rnd)
         with self.ctx.timers.timed("wait"):
             decision = json.loads(self.store.get(f"r{rnd}/members"))
@@ -526,7 +538,7 @@ class SiteExchange:
         return True
 
     def _decide(self, rnd: int) -> None:
-        everyone = [f"r{rnd}/arrive/{s}" for s in range(self.ctx.num_sites)]
+        everyone = [f"r{rnd}/arrive/{s}" for s in self.sites]
         with self.ctx.timers.timed("wait"):
             self._await_members(rnd)
         arrived = sorted(int(k.rsplit("/", 1)[1]) for k in everyone if self.store.check([k]))
@@ -534,7 +546,7 @@ class SiteExchange:
         gen = self.gen
         if arrived != self.members or failed or gen < 0:
             gen = max(gen, 0) + (0 if self.gen < 0 and arrived == self.members else 1)
-        dropped = sorted(set(range(self.ctx.num_sites)) - set(arrived))
+        dropped = sorted(set(self.sites) - set(arrived))
         self.store.set(self.DROPPED, json.dumps(dropped))  # before the members: who reads them may read this
         self.store.set(f"r{rnd}/members", json.dumps({"gen": gen, "members": arrived}))
 
@@ -573,7 +585,7 @@ class SiteExchange:
         The group is Gloo, so what it moves is on the host: the float32 vector, or the wire of a
         codec that encodes (with its error feedback) on ``x``'s device."""
         stage = self.ctx.stage
-        if self.pg is not None:  # weighted by the sites' shares of the batch (equal sites: no-op)
+        if self.pg is not None and self.weighted:  # by the sites' shares of the batch (equal sites: no-op)
             mine, total = self.ctx.site_sequences(self.site) * len(self.members), sum(
                 self.ctx.site_sequences(s) for s in self.members)
             x = x if mine == total else x * (mine / total)

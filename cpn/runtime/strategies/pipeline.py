@@ -26,8 +26,19 @@ ring all-reduce of the stage, counted as ``wan_replica_bytes``, then a broadcast
 with H = 1 the replicas instead average the stage's gradients every step (token-weighted), the same
 optimisation as one process training the whole batch. Validations between averagings evaluate
 replica 0's model. H unset: :func:`cpn.runtime.autotune.replica_inner_steps`, the smallest H that
-keeps the averaging within 10 % of the bytes the cuts move. Losing a site stops the whole job (its
-collectives fail); the orchestrator re-places it from the last checkpoint as for any synchronous job.
+keeps the averaging within 10 % of the bytes the cuts move.
+
+Losing a site. With one replica, or D ≥ 2 averaged every step (H = 1), the whole job stops (its
+collectives fail) and the orchestrator re-places it from the last checkpoint, as for any synchronous
+job. With D ≥ 2 and H > 1 (:meth:`Pipeline.survives`) the others continue: each stage's copies average
+through an elastic exchange among the stage's site leaders (:class:`SiteExchange` over the sites
+``s, P+s, …``, coordinated by replica 0's), which drops a copy that does not check in within
+``wan_timeout_seconds``. The replica that lost a site breaks: its live ranks see their point-to-point
+exchanges with the dead site fail, stop training, and leave cleanly, which in turn fails their
+neighbours' exchanges, so the whole replica leaves; the next averaging drops it and the remaining
+replicas train on, each on its own 1/D of every step (the lost replica's share of the budget is not
+re-trained). Replica 0 holds rank 0 (the job's store, validation and final weights): when it loses a
+site, its ranks fail and the job restarts from its checkpoint as before.
 
 A user's ``nn.Sequential`` (``spec.code``, through :meth:`cpn.train.Job.wrap` with ``loss_fn``) is cut
 the same way, its children being the units (:mod:`cpn.runtime.stages`). Its data come from the user's
@@ -66,7 +77,7 @@ from cpn.runtime.config import TrainConfig, trim_shares
 from cpn.runtime.data import ShardSampler, load_corpus, split_corpus
 from cpn.runtime.device import HOST, autocast
 from cpn.runtime.stages import LMUnits, Stage, cut_units, units_of
-from cpn.runtime.strategies.base import Context, Strategy, make_optimizer, site_broadcast, weigh
+from cpn.runtime.strategies.base import Context, SiteExchange, Strategy, make_optimizer, site_broadcast, weigh
 from cpn.runtime.topology import Topology
 
 __all__ = ["Pipeline", "feeder_shard", "ideal_bubble"]
@@ -170,7 +181,19 @@ class Pipeline(Strategy):
                                         seed=self.cfg.seed)
         self.my_tokens = self.stage_tokens = self.step_tokens = 0
         self._gathered = self._averaged = -1
-        self.copies = self._replica_group(topo)
+        self.survivable = self.survives(self.cfg, topo)
+        self.broken = False  # this rank's replica lost a site: it stops training and leaves
+        self.live_replicas = list(range(self.D))  # as this stage's last averaging saw them
+        self._rounds = 0
+        self.copies = None if self.survivable else self._replica_group(topo)
+        self.exchange = SiteExchange(ctx, f"pipeline-stage{self.s}", sites=[d * self.P + self.s for d in range(self.D)],
+                                     compression="none", weighted=False) if self.survivable and ctx.is_leader else None
+
+    @classmethod
+    def survives(cls, cfg: TrainConfig, topology: Topology) -> bool:
+        """D ≥ 2 replicas averaged every H > 1 steps: a replica that loses a site stops, the others go on."""
+        _, replicas = cfg.strategy.pipeline_shape(topology.num_sites)
+        return replicas > 1 and (cfg.strategy.inner_steps or 1) > 1
 
     def _replica_group(self, topo: Topology) -> dist.ProcessGroup | None:
         """This site leader's group with the same stage's leaders in every replica (every rank builds
@@ -212,6 +235,25 @@ class Pipeline(Strategy):
         ctx.step_share = share
 
     def forward_backward(self, step: int) -> float | None:
+        if self.broken:
+            return None
+        try:
+            return self._schedule(step)
+        except Exception as exc:  # noqa: BLE001 - a dead peer surfaces as any of several errors
+            self._break(exc)
+            return None
+
+    def _break(self, exc: BaseException) -> None:
+        """A point-to-point exchange of this replica failed: a site of it is gone. Under
+        :meth:`survives` (not replica 0) this rank stops training and leaves cleanly; otherwise the error
+        stands and the job restarts from its checkpoint."""
+        if not self.survivable or self.replica == 0:
+            raise exc
+        self.broken = True
+        print(f"cpn: pipeline replica {self.replica} lost a site ({type(exc).__name__}: {str(exc)[:200]}); "
+              f"site {self.ctx.site} stops and the other replicas go on", flush=True)
+
+    def _schedule(self, step: int) -> float | None:
         t0 = time.perf_counter()
         self._idle = 0.0
         self._sends: list[tuple[Any, Tensor]] = []
@@ -419,6 +461,24 @@ class Pipeline(Strategy):
 
     # ------------------------------------------------------------------ after the schedule
     def after_backward(self, step: int) -> None:
+        if self.broken:
+            return
+        try:
+            self._sync_and_step(step)
+        except Exception as exc:  # noqa: BLE001 - the tied table's exchange with a dead peer
+            self._break(exc)
+
+    def should_stop(self, step: int) -> bool:
+        return self.broken or super().should_stop(step)
+
+    def checkpoint_due(self, step: int) -> bool:
+        return not self.broken and super().checkpoint_due(step)
+
+    def live_sites(self) -> list[int]:
+        """The sites of the replicas this stage's last averaging held (rank 0: stage 0's view)."""
+        return sorted(d * self.P + s for d in self.live_replicas for s in range(self.P))
+
+    def _sync_and_step(self, step: int) -> None:
         ctx = self.ctx
         for p in self.params:
             if p.grad is None:
@@ -457,10 +517,26 @@ class Pipeline(Strategy):
 
     def _average(self, done: int) -> None:
         """Local SGD across replicas: each stage's parameters become the mean of its D copies."""
-        if done == self._averaged:
+        if done == self._averaged or self.broken:
             return
         self._averaged = done
-        self._replica_allreduce([p.data for p in self.params], 1.0 / self.D)
+        if self.survivable:
+            self._exchange_average([p.data for p in self.params])
+        else:
+            self._replica_allreduce([p.data for p in self.params], 1.0 / self.D)
+
+    def _exchange_average(self, params: list[Tensor]) -> None:
+        """The stage's copies in the live replicas averaged through the elastic exchange (site leaders),
+        then broadcast inside the site; a copy the exchange dropped keeps its own parameters this round."""
+        rnd, self._rounds = self._rounds, self._rounds + 1
+        if self.exchange is not None:
+            before = self.ctx.timers.wan_bytes
+            mean = self.exchange.start(rnd, flat_params_of(params)).wait() if self.exchange.join(rnd) else None
+            self.stats.replica_bytes += self.ctx.timers.wan_bytes - before
+            if mean is not None:
+                _load(params, mean)
+                self.live_replicas = sorted(m // self.P for m in self.exchange.members)
+        site_broadcast(self.ctx, params)
 
     def _sum_tied_grad(self) -> None:
         """First and last stage add their gradients of the token table (a + b == b + a exactly)."""
@@ -571,6 +647,8 @@ class Pipeline(Strategy):
         return self.ctx.groups.topology.leader_rank(stage)
 
     def finish(self, step: int) -> None:
+        if self.broken:
+            return
         if self.D > 1 and self.H > 1:
             self._average(step)
         self.gather(step)
@@ -583,8 +661,10 @@ class Pipeline(Strategy):
         self.ctx.store.set(f"{STATS_KEY}/{self.ctx.rank}", json.dumps(record))
 
     def summary_extras(self) -> dict[str, Any]:
-        ranks = range(self.ctx.groups.world_size)
-        records = [json.loads(self.ctx.store.get(f"{STATS_KEY}/{r}")) for r in ranks]
+        store, topo = self.ctx.store, self.ctx.groups.topology
+        live = {r for site in self.live_sites() for r in topo.ranks_of(site)}
+        ranks = [r for r in range(topo.world_size) if r in live or store.check([f"{STATS_KEY}/{r}"])]
+        records = [json.loads(store.get(f"{STATS_KEY}/{r}")) for r in ranks]
         schedule = sum(r["schedule"] for r in records)
         names = self.units.names()
         m = min(self.cfg.strategy.micro_batches, max(1, self.cfg.shares(self.D * self.W)[-1]))
@@ -597,6 +677,7 @@ class Pipeline(Strategy):
             "wan_gradient_bytes": sum(r["gradient"] for r in records),
             "wan_eval_bytes": sum(r["eval"] for r in records),
             "replicas": self.D,
+            "live_replicas": self.live_replicas if self.survivable else list(range(self.D)),
             "inner_steps": self.H if self.D > 1 else None,
             "wan_replica_bytes": sum(r["replica"] for r in records),
         }

@@ -23,7 +23,7 @@ from layers.orchestration.identity.models import Account
 from layers.orchestration.identity.tokens import issue_token
 from layers.orchestration.jobs.data import data_ref
 from layers.orchestration.lifecycle.models import LogRow, SubtaskRow
-from layers.orchestration.lifecycle.plan import ELASTIC
+from layers.orchestration.lifecycle.plan import elastic
 from layers.resource.models import ClusterRow
 from layers.service.jobs import display_name, find_job
 from layers.service.models import JobRow
@@ -164,7 +164,7 @@ def contract(job: JobRow, t: SubtaskRow, rendezvous: dict[str, Any] | None, toke
                        if code and code.get("digest") else None,
                        job=job.name, job_uid=job.id, attempt=t.attempt, subtask=t.name, cluster=t.cluster, site_index=t.site_index,
                        first_rank=t.first_rank, workers=t.gpus, topology=job.status["topology"],
-                       train=job.status["train"], elastic=job.status.get("strategy") in ELASTIC,
+                       train=job.status["train"], elastic=elastic(job.status),
                        rendezvous=Endpoint(**rendezvous) if rendezvous else None, worker_token=token, data=data,
                        image=(job.spec or {}).get("image"))
 

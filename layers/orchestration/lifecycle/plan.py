@@ -18,6 +18,23 @@ def _elastic() -> frozenset[str]:
 
 
 ELASTIC = _elastic()
+
+
+def survives_site_loss(topo: dict[str, Any], train: dict[str, Any]) -> bool:
+    """Whether the attempt goes on when a site is lost, as the runtime decides it for this config on
+    this topology (a pipeline with D ≥ 2 replicas averaged every H > 1 steps does; one source)."""
+    from cpn.runtime.config import TrainConfig
+    from cpn.runtime.strategies import survives_site_loss as runtime_rule
+    from cpn.runtime.topology import Topology
+
+    return runtime_rule(TrainConfig.model_validate(train), Topology.model_validate(topo))
+
+
+def elastic(status: dict[str, Any]) -> bool:
+    """The job's attempt goes on without a lost site (``status.elastic``, written when the attempt was
+    prepared; a job prepared before it was: by its strategy's name)."""
+    stated = status.get("elastic")
+    return bool(stated) if stated is not None else status.get("strategy") in ELASTIC
 CODE_UNIT = 8  # spec.code jobs: the global batch is whole multiples of this many units per worker
 
 

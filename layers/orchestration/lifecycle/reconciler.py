@@ -27,7 +27,13 @@ from layers.orchestration.jobs import profile, workflow
 from layers.orchestration.lifecycle import learning, metering
 from layers.orchestration.lifecycle.leader import Leadership
 from layers.orchestration.lifecycle.models import SubtaskRow
-from layers.orchestration.lifecycle.plan import ELASTIC, attempt_plan, budget_note, rank_offsets
+from layers.orchestration.lifecycle.plan import (
+    attempt_plan,
+    budget_note,
+    elastic,
+    rank_offsets,
+    survives_site_loss,
+)
 from layers.orchestration.lifecycle.replan import replace_placement, replicas_of, ring_of
 from layers.resource.capacity import inventory
 from layers.resource.drivers.base import SubtaskState
@@ -193,7 +199,7 @@ class Reconciler:
         note = budget_note(spec, train)
         if note and attempt == 1:
             await record_event(s, job.name, "Normal", "BudgetRounded", note)
-        update_status(job, attempt=attempt, topology=topo, train=train,
+        update_status(job, attempt=attempt, topology=topo, train=train, elastic=survives_site_loss(topo, train),
                       checkpointEvery=train["checkpoint_every"], sites=f"0/{len(placement)}")
         await leases.hold(s, job.name, datetime.now(UTC) + timedelta(days=30))
         set_phase(job, "Launching", "Launching", _waiting(attempt, sorted({offer_cluster(p["cluster"]) for p in placement})))
@@ -286,17 +292,20 @@ class Reconciler:
             await leases.release(s, job.name, f"sub-task {t.name} failed", cluster=t.cluster)
             await record_event(s, job.name, "Warning", "SiteFailed",
                                f"site {t.site} ({t.cluster}) failed; {credit:.2f} credited for lost work; "
-                               + ("the job continues on the other sites" if job.status.get("strategy") in ELASTIC
+                               + ("the job continues on the other sites" if elastic(job.status)
                                   else "the attempt restarts from its latest checkpoint"), subtask=t.name)
             t.desired = "Stop"
             never_formed = bool(NEVER_STARTED & state.exit_codes.keys())  # the world never met: nobody can go on
-            if never_formed or job.status.get("strategy") not in ELASTIC:  # a synchronous attempt ends here
+            # a synchronous attempt ends here, and any attempt whose rank 0 (the job's store) is gone
+            if never_formed or not elastic(job.status) or t.first_rank == 0:
                 await self._stop_subtasks(s, job)
 
     async def _attempt_over(self, s: AsyncSession, job: JobRow, subtasks: list[SubtaskRow]) -> None:
         ok = [t for t in subtasks if t.phase == "Succeeded"]
-        elastic = job.status.get("strategy") in ELASTIC
-        if ok and (elastic or len(ok) == len(subtasks)):
+        # elastic: the live sites finish the budget, and rank 0's site (the job's store, its final
+        # weights) among them — a pipeline replica that broke leaves early but cleanly
+        rank0 = any(t.first_rank == 0 for t in ok)
+        if ok and (len(ok) == len(subtasks) or (elastic(job.status) and rank0)):
             await self._finish(s, job, "Succeeded", "Completed",
                                f"{len(ok)} of {len(subtasks)} site(s) finished the token budget")
             return
