@@ -36,8 +36,9 @@ through an elastic exchange among the stage's site leaders (:class:`SiteExchange
 ``wan_timeout_seconds``. The replica that lost a site breaks: its live ranks see their point-to-point
 exchanges with the dead site fail, stop training, and leave cleanly, which in turn fails their
 neighbours' exchanges, so the whole replica leaves; the next averaging drops it and the remaining
-replicas train on, each on its own 1/D of every step (the lost replica's share of the budget is not
-re-trained). Replica 0 holds rank 0 (the job's store, validation and final weights): when it loses a
+replicas train on, sharing every step between them from the next averaging on (rank 0's view of the
+live replicas, agreed on the store), so the budget is trained to its end; what the lost replica trained
+since the last averaging is lost with it. Replica 0 holds rank 0 (the job's store, validation and final weights): when it loses a
 site, its ranks fail and the job restarts from its checkpoint as before.
 
 A user's ``nn.Sequential`` (``spec.code``, through :meth:`cpn.train.Job.wrap` with ``loss_fn``) is cut
@@ -91,6 +92,7 @@ DESC = 3 + MAX_DIMS  # a tensor's description: dtype, ndim, whether a gradient c
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
                torch.int8, torch.uint8, torch.bool)
 STATS_KEY = "cpn/pipeline"
+LIVE_KEY = "cpn/pipeline-live"  # + "/{round}": the replicas stage 0's averaging held, as rank 0 saw them
 REPLICA_TIMEOUT_SECONDS = 1800.0  # how long a stage's leader waits for the other replicas' copies
 
 
@@ -222,16 +224,19 @@ class Pipeline(Strategy):
 
     # ------------------------------------------------------------------ the step
     def plan_step(self, step: int) -> None:
-        """Every stage's local rank j of replica d takes the (d·W+j)-th share of the step; the tokens are
-        reported by stage 0's ranks only (each token is trained once, by one whole pipeline)."""
+        """Every stage's local rank j of the i-th live replica takes the (i·W+j)-th share of the step (the
+        live replicas as the last averaging agreed; all D at first); the tokens are reported by stage 0's
+        ranks only (each token is trained once, by one whole pipeline)."""
         ctx, cfg, topo = self.ctx, self.cfg, self.ctx.groups.topology
-        per_rank = trim_shares(cfg.step_tokens(step), cfg.shares(self.D * self.W), cfg.seq_len)
-        mine = per_rank[self.replica * self.W:(self.replica + 1) * self.W]
+        live = self.live_replicas
+        per_rank = trim_shares(cfg.step_tokens(step), cfg.shares(len(live) * self.W), cfg.seq_len)
+        at = live.index(self.replica) if self.replica in live else None
+        mine = [0] * self.W if at is None else per_rank[at * self.W:(at + 1) * self.W]
         self.my_tokens, self.stage_tokens, self.step_tokens = mine[self.local], sum(mine), sum(per_rank)
         share = [0] * ctx.groups.world_size
-        for d in range(self.D):
+        for i, d in enumerate(live):
             for j, r in enumerate(topo.ranks_of(d * self.P)):
-                share[r] = per_rank[d * self.W + j]
+                share[r] = per_rank[i * self.W + j]
         ctx.step_share = share
 
     def forward_backward(self, step: int) -> float | None:
@@ -537,6 +542,16 @@ class Pipeline(Strategy):
                 _load(params, mean)
                 self.live_replicas = sorted(m // self.P for m in self.exchange.members)
         site_broadcast(self.ctx, params)
+        self._agree_on_replicas(rnd)
+
+    def _agree_on_replicas(self, rnd: int) -> None:
+        """Every rank of the live replicas takes rank 0's view of them after round ``rnd``, so that the
+        stages of a replica split the next steps alike: the live replicas share every step between
+        them, and the budget is trained to its end without the ones that broke."""
+        key = f"{LIVE_KEY}/{rnd}"
+        if self.ctx.rank == 0:
+            self.ctx.store.set(key, json.dumps(self.live_replicas))
+        self.live_replicas = json.loads(self.ctx.store.get(key))
 
     def _sum_tied_grad(self) -> None:
         """First and last stage add their gradients of the token table (a + b == b + a exactly)."""
