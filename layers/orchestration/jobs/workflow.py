@@ -218,13 +218,13 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
     offers, wan = planner_inputs_of(market, spec.currency)
     links = market.links
     plans = placement.quote_options(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
-    region_of, sellers, link_prices, link_owners = _pricing_inputs(market)
+    region_of, sellers, link_prices, link_owners = pricing_inputs(market)
     rows, refused = [], []
     for label, plan in plans.items():
         pred = plan.prediction
         lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices,
                                     link_owners)
-        lines += pricing.data_transfer_lines(_transfers(plan), sellers)
+        lines += pricing.data_transfer_lines(data_transfers(plan), sellers)
         placement_lines = [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
                             "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage}),
                             **({} if a.replica is None else {"replica": a.replica})}
@@ -249,7 +249,7 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
     return rows
 
 
-def _pricing_inputs(market: capacity.OfferSet) -> tuple[dict[str, str], dict[str, pricing.Seller],
+def pricing_inputs(market: capacity.OfferSet) -> tuple[dict[str, str], dict[str, pricing.Seller],
                                                          dict[frozenset[str], Decimal], dict[frozenset[str], str]]:
     """(region of each offer, its seller, price and owner of each link): once per offer set (read-only)."""
     held = market.derived.get("pricing_inputs")
@@ -272,7 +272,7 @@ async def start_profile(session: AsyncSession, job: JobRow, t: Timeouts) -> None
     await profile.start(session, job, spec, rows, heartbeat_timeout=t.heartbeat, lease_ttl=t.lease_ttl)
 
 
-def _transfers(plan: Any) -> list[tuple[str, float, Decimal]]:
+def data_transfers(plan: Any) -> list[tuple[str, float, Decimal]]:
     """(receiving cluster, GB, price per GB) of each dataset copy: a site's copy goes to its first cluster."""
     first = {}
     for a in plan.assignments:

@@ -25,7 +25,7 @@ from cpn.core import errors
 from layers.control import capacity, leases
 from layers.orchestration.jobs import data as job_data
 from layers.orchestration.jobs.requirements import objective, planner_inputs, requirements
-from layers.orchestration.jobs.workflow import _pricing_inputs, _transfers, solver_for
+from layers.orchestration.jobs.workflow import data_transfers, pricing_inputs, solver_for
 from layers.orchestration.planning import placement
 from layers.orchestration.planning.types import JobRequirements, Plan
 from layers.service import pricing
@@ -80,10 +80,10 @@ def _record_prices(job: JobRow, plan: Plan, market: capacity.OfferSet) -> None:
     """Price the new placement at today's list prices and keep, on the job, the lines for what the
     accepted quote did not price: without them the meter had no price for a new cluster and the work
     there was never billed, nor shown to its provider."""
-    _, sellers, link_prices, link_owners = _pricing_inputs(market)
+    _, sellers, link_prices, link_owners = pricing_inputs(market)
     pred = plan.prediction
     lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices,
-                                link_owners) + pricing.data_transfer_lines(_transfers(plan), sellers)
+                                link_owners) + pricing.data_transfer_lines(data_transfers(plan), sellers)
     quoted = {(q["item"], capacity.offer_cluster(q["cluster"])) for q in job.status.get("quoteLines", [])}
     attempt, at = int(job.status.get("attempt") or 1) + 1, datetime.now(UTC).isoformat()
     new = [{**line, "attempt": attempt, "at": at} for line in lines
