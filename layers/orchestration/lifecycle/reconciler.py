@@ -281,7 +281,11 @@ class Reconciler:
         return failed
 
     async def _transition(self, s: AsyncSession, job: JobRow, t: SubtaskRow, state: SubtaskState) -> None:
-        if await self._move(s, job, t, state):
+        failed = await self._move(s, job, t, state)
+        if not failed and state.phase == "Succeeded" and elastic(job.status):
+            # a site that is done while the others go on (a pipeline replica that broke) frees its GPUs now
+            await leases.release(s, job.name, f"sub-task {t.name} finished", cluster=t.cluster)
+        if failed:
             t.exit_codes = {**(t.exit_codes or {}), **state.exit_codes}
             update_status(job, failedSites=[*job.status.get("failedSites", []),
                                             {"attempt": t.attempt, "site": t.site, "killed": _killed(state)}])
