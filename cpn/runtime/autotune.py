@@ -27,6 +27,7 @@ WAN_FRACTION = 1 / 110
 MIN_H = 8  # below this the exchange's fixed costs (check-in, group, codec) dominate a round
 MIN_ROUNDS = 4  # at least this many outer steps per run, whatever the WAN budget says
 REPLICA_FRACTION = 0.1  # pipeline replicas: averaging bytes at most this fraction of what the cuts move
+SURVIVING_H = 2  # pipeline replicas: the least H by default, so that the others go on when one loses a site
 MOMENTUM_ROUNDS = 50  # fewer outer steps than this: plain averaging (momentum 0.9 needs ~10 rounds to build)
 DILOCO_TOKEN_EFFICIENCY = 1.15  # measured here: diloco at H=20 matches ddp's loss with ~15 % more tokens
 # overlap the exchange (τ-delayed outer step) when it would cost more than this fraction of a round's
@@ -154,12 +155,18 @@ def replica_inner_steps(parameters: int, hidden: int, batch_tokens: int, stages:
     H is the smallest that keeps the averaging within :data:`REPLICA_FRACTION` of the cuts' traffic,
     (D−1)·parameters / (f · hidden · T · (P−1)), and at most total_steps / :data:`MIN_ROUNDS`: averaging
     is cheap beside the activations, and rarer averaging cost loss here (4 sites, `tiny`: H = 18 ended
-    +1.8 % above ddp, averaging every 7 steps −0.5 %; docs/benchmarks/pipeline-notes.md)."""
+    +1.8 % above ddp, averaging every 7 steps −0.5 %; docs/benchmarks/pipeline-notes.md). At least
+    :data:`SURVIVING_H` = 2 when the run has room for it (8 steps or more): averaged every step the
+    replicas are one synchronous job that a lost site stops, every 2 steps a replica that loses a site
+    leaves alone; 2 × 2 stages of `tiny`, 40 / 120 steps: H = 2 ended at 2.666 / 2.563 against H = 1's
+    2.668 / 2.582, with half the averaging bytes."""
     if replicas <= 1:
         return 1
     cuts = max(1, stages - 1)
     h = math.ceil((replicas - 1) * parameters / (REPLICA_FRACTION * hidden * batch_tokens * cuts))
-    return max(1, min(h, total_steps // MIN_ROUNDS or 1))
+    # at least SURVIVING_H: averaged every step (H = 1) the replicas are one synchronous job that a lost
+    # site stops; every 2 steps they average as local SGD and a replica that loses a site leaves alone
+    return max(1, min(max(h, SURVIVING_H), total_steps // MIN_ROUNDS or 1))
 
 
 def choose(name: str, job: Job, link: Link, step_seconds: float, *, inner_steps: int | None = None,

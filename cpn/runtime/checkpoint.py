@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,16 @@ def latest(root: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def leave(store: dist.Store, site: int) -> None:
+    """Site ``site`` writes no more checkpoints in this run (a pipeline replica that left it): the
+    pending commits stop waiting for its files."""
+    store.set(_left_key(site), "1")
+
+
+def _left_key(site: int) -> str:
+    return f"cpn/ckpt/left/site{site}"
+
+
 @dataclass
 class PendingCommit:
     """Rank 0's ``latest.json`` for one checkpoint step, written once every expected site leader has
@@ -74,7 +85,8 @@ class PendingCommit:
         return [s for s in self.sites if store.check([_key(self.step, s)])]
 
     def due(self, store: dist.Store) -> bool:
-        return len(self.written(store)) == len(self.sites) or time.monotonic() >= self.deadline
+        awaited = [s for s in self.sites if not store.check([_left_key(s)])]
+        return all(store.check([_key(self.step, s)]) for s in awaited) or time.monotonic() >= self.deadline
 
     def wait(self, store: dist.Store, until: float) -> bool:
         """Wait until the commit is due or ``until`` (monotonic); whether it is due."""
@@ -121,15 +133,19 @@ def save(root: Path, step: int, *, site: int, is_leader: bool, is_rank0: bool, s
     return commit
 
 
-def load(root: str | Path, site: int) -> tuple[int, dict[str, Any] | None, dict[str, Any]] | None:
-    """(step, this site's state or None if it has none, global state) of the latest checkpoint.
+def load(root: str | Path, site: int, stand_in: Callable[[int], bool] | None = None,
+         ) -> tuple[int, dict[str, Any] | None, dict[str, Any]] | None:
+    """(step, this site's state or None if it has none, global state) of the latest checkpoint; without
+    a file of its own, the first listed site's for which ``stand_in(site)`` holds (a pipeline stage's
+    copy in another replica).
 
     Loaded to the host (a run may resume on other devices); the strategies move it to theirs."""
     info = latest(root)
     if info is None:
         return None
     directory = step_dir(Path(root), info["step"])
-    site_file = directory / f"site{site}.pt"
-    site_state = (torch.load(site_file, weights_only=False, map_location="cpu")
-                  if site in info["sites"] and site_file.exists() else None)
+    candidates = [site, *(s for s in info["sites"] if s != site and stand_in is not None and stand_in(s))]
+    found = next((directory / f"site{s}.pt" for s in candidates
+                  if s in info["sites"] and (directory / f"site{s}.pt").exists()), None)
+    site_state = torch.load(found, weights_only=False, map_location="cpu") if found is not None else None
     return info["step"], site_state, torch.load(directory / "global.pt", weights_only=False, map_location="cpu")

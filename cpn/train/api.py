@@ -218,7 +218,7 @@ class Trainer:
             checkpoint.atomic_write_json(cfg.model_dump(), job.checkpoint_dir / "config.json")
             checkpoint.atomic_write_json(groups.topology.model_dump(), job.checkpoint_dir / "topology.json")
         if cfg.resume:
-            restored = checkpoint.load(cfg.resume, groups.site)
+            restored = checkpoint.load(cfg.resume, groups.site, self.strategy.shares_state_with)
             if restored is None:
                 raise FileNotFoundError(f"no checkpoint under {cfg.resume}: check --resume (it needs a latest.json)")
             step, site_state, global_state = restored

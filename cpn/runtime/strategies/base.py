@@ -385,6 +385,11 @@ class Strategy:
     def site_state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
 
+    def shares_state_with(self, site: int) -> bool:
+        """Whether another site's checkpoint file may stand in for this site's missing one (None: the
+        site rejoins from the global state)."""
+        return False
+
     def global_state(self) -> dict[str, Any]:
         return {}
 

@@ -63,7 +63,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -72,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cpn.runtime import checkpoint
 from cpn.runtime.codecs import get_codec
 from cpn.runtime.collectives import site_allreduce, wan_allreduce
 from cpn.runtime.config import TrainConfig, trim_shares
@@ -94,6 +96,21 @@ WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torc
 STATS_KEY = "cpn/pipeline"
 LIVE_KEY = "cpn/pipeline-live"  # + "/{round}": the replicas stage 0's averaging held, as rank 0 saw them
 REPLICA_TIMEOUT_SECONDS = 1800.0  # how long a stage's leader waits for the other replicas' copies
+
+
+class PeerLost(RuntimeError):
+    """A point-to-point exchange with another stage, or the site's own collective, failed: a peer is gone."""
+
+
+@contextmanager
+def _wire() -> Iterator[None]:
+    """What fails inside is a peer lost (errors of the computation itself stay what they are)."""
+    try:
+        yield
+    except PeerLost:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a dead peer surfaces as any of several errors
+        raise PeerLost(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 def feeder_shard(cfg: TrainConfig, topology: Topology, site: int, local_rank: int) -> tuple[int, int]:
@@ -191,6 +208,11 @@ class Pipeline(Strategy):
         self.exchange = SiteExchange(ctx, f"pipeline-stage{self.s}", sites=[d * self.P + self.s for d in range(self.D)],
                                      compression="none", weighted=False) if self.survivable and ctx.is_leader else None
 
+    def shares_state_with(self, site: int) -> bool:
+        """Site ``site``'s checkpoint file holds this site's stage (every replica's copy of it does): a
+        site without its own file — its replica left the run — resumes from a live replica's copy."""
+        return site % self.P == self.s
+
     @classmethod
     def survives(cls, cfg: TrainConfig, topology: Topology) -> bool:
         """D ≥ 2 replicas averaged every H > 1 steps: a replica that loses a site stops, the others go on."""
@@ -244,19 +266,23 @@ class Pipeline(Strategy):
             return None
         try:
             return self._schedule(step)
-        except Exception as exc:  # noqa: BLE001 - a dead peer surfaces as any of several errors
+        except PeerLost as exc:
             self._break(exc)
             return None
 
-    def _break(self, exc: BaseException) -> None:
+    def _break(self, exc: PeerLost) -> None:
         """A point-to-point exchange of this replica failed: a site of it is gone. Under
-        :meth:`survives` (not replica 0) this rank stops training and leaves cleanly; otherwise the error
-        stands and the job restarts from its checkpoint."""
+        :meth:`survives` (not replica 0) this rank stops training and leaves cleanly, its site's leader
+        telling the checkpoints not to wait for its replica's sites; otherwise the error stands and the
+        job restarts from its checkpoint."""
         if not self.survivable or self.replica == 0:
             raise exc
         self.broken = True
-        print(f"cpn: pipeline replica {self.replica} lost a site ({type(exc).__name__}: {str(exc)[:200]}); "
-              f"site {self.ctx.site} stops and the other replicas go on", flush=True)
+        if self.ctx.is_leader:
+            for stage in range(self.P):
+                checkpoint.leave(self.ctx.store, self.replica * self.P + stage)
+        print(f"cpn: pipeline replica {self.replica} lost a site ({exc}); site {self.ctx.site} stops and the "
+              f"other replicas go on", flush=True)
 
     def _schedule(self, step: int) -> float | None:
         t0 = time.perf_counter()
@@ -450,17 +476,20 @@ class Pipeline(Strategy):
             self.stats.gradient_bytes += nbytes
         else:
             self.stats.eval_bytes += nbytes
-        self._sends.append((dist.isend(t, dst, tag=tag), t))
+        with _wire():
+            self._sends.append((dist.isend(t, dst, tag=tag), t))
 
     def _recv(self, t: Tensor, src: int, tag: int) -> None:
         t0 = time.perf_counter()
-        dist.recv(t, src, tag=tag)
+        with _wire():
+            dist.recv(t, src, tag=tag)
         self._idle += time.perf_counter() - t0
 
     def _wait_sends(self) -> None:
         t0 = time.perf_counter()
-        for work, _ in self._sends:
-            work.wait()
+        with _wire():
+            for work, _ in self._sends:
+                work.wait()
         self._sends = []
         self._idle += time.perf_counter() - t0
 
@@ -470,7 +499,7 @@ class Pipeline(Strategy):
             return
         try:
             self._sync_and_step(step)
-        except Exception as exc:  # noqa: BLE001 - the tied table's exchange with a dead peer
+        except PeerLost as exc:  # the tied table's exchange, or the site's all-reduce, with a dead peer
             self._break(exc)
 
     def should_stop(self, step: int) -> bool:
@@ -491,7 +520,7 @@ class Pipeline(Strategy):
         if self.W > 1:
             grads = [p.grad for p in self.params]
             weigh(grads, (self.my_tokens * self.W, self.stage_tokens))
-            with ctx.timers.timed("comm"):
+            with ctx.timers.timed("comm"), _wire():
                 ctx.account(site_allreduce(grads, ctx.groups, op="avg"))
         if self.stage.ties_embedding:
             self._sum_tied_grad()
@@ -676,9 +705,8 @@ class Pipeline(Strategy):
         self.ctx.store.set(f"{STATS_KEY}/{self.ctx.rank}", json.dumps(record))
 
     def summary_extras(self) -> dict[str, Any]:
-        store, topo = self.ctx.store, self.ctx.groups.topology
-        live = {r for site in self.live_sites() for r in topo.ranks_of(site)}
-        ranks = [r for r in range(topo.world_size) if r in live or store.check([f"{STATS_KEY}/{r}"])]
+        store = self.ctx.store  # the ranks that published (the loop waited for the live ones' final figures)
+        ranks = [r for r in range(self.ctx.groups.world_size) if store.check([f"{STATS_KEY}/{r}"])]
         records = [json.loads(store.get(f"{STATS_KEY}/{r}")) for r in ranks]
         schedule = sum(r["schedule"] for r in records)
         names = self.units.names()

@@ -27,7 +27,10 @@ def survives_site_loss(topo: dict[str, Any], train: dict[str, Any]) -> bool:
     from cpn.runtime.strategies import survives_site_loss as runtime_rule
     from cpn.runtime.topology import Topology
 
-    return runtime_rule(TrainConfig.model_validate(train), Topology.model_validate(topo))
+    try:
+        return runtime_rule(TrainConfig.model_validate(train), Topology.model_validate(topo))
+    except ValueError:  # the runtime's preflight refuses what it cannot run (attempt_plan said so first)
+        return False
 
 
 def elastic(status: dict[str, Any]) -> bool:
