@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import JSON, DateTime, Integer, MetaData, event, text
 from sqlalchemy.dialects.postgresql import JSONB
@@ -21,6 +21,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
 from sqlalchemy.orm.exc import StaleDataError
 
 from cpn.core import errors
+
+_T = TypeVar("_T")
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -131,6 +133,19 @@ class Database:
                 if _is_serialization_failure(exc):
                     raise errors.Conflict("concurrent update; retry the request") from exc
                 raise
+
+    async def transact(self, fn: Callable[[AsyncSession], Awaitable[_T]], *, attempts: int = 3) -> _T:
+        """``fn`` in one transaction (:meth:`session`), run again from a fresh read when a concurrent writer
+        changed a row it read in between (the optimistic version check: a user's cancel racing the
+        reconciler's pass); a user's own stale ``resourceVersion`` is not retried."""
+        for attempt in range(attempts):
+            try:
+                async with self.session() as s:
+                    return await fn(s)
+            except errors.StaleVersion as exc:
+                if not isinstance(exc.__cause__, StaleDataError) or attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     async def read_row(self, stmt: Any, params: dict[str, Any] | None = None) -> Any:
         """The first row of one read-only statement, outside a transaction (autocommit: one round trip

@@ -31,9 +31,10 @@ async def record_event(session: AsyncSession, job: str, type_: str, reason: str,
 
 
 async def list_events(session: AsyncSession, jobs: list[str] | None, limit: int = 500) -> list[dict[str, Any]]:
-    stmt = select(EventRow).order_by(EventRow.at, EventRow.id).limit(limit)
+    """The latest ``limit`` events (of ``jobs``, or all), oldest first."""
+    stmt = select(EventRow).order_by(EventRow.at.desc(), EventRow.id.desc()).limit(limit)
     if jobs is not None:
         stmt = stmt.where(EventRow.job.in_(jobs))
+    rows = list((await session.execute(stmt)).scalars())[::-1]
     return [{"at": as_utc(e.at).isoformat(), "job": e.job, "subtask": e.subtask, "type": e.type,
-             "reason": e.reason, "message": e.message}
-            for e in (await session.execute(stmt)).scalars()]
+             "reason": e.reason, "message": e.message} for e in rows]

@@ -40,11 +40,26 @@ class JobStore(ResourceStore):
     def initial_status(self, obj: Any) -> dict[str, Any]:
         return {"conditions": []}
 
+    async def apply(self, session: AsyncSession, principal: Principal, body: Any) -> tuple[str, dict[str, Any]]:
+        """kubectl apply: the manifest of a job past its draft, re-applied as it is, is "unchanged"."""
+        obj = self.parse(body)
+        row = await self.find(session, self.key(principal, obj.metadata.name, self.own_namespace(principal, obj)))
+        if row is not None and row.phase not in DRAFT_PHASES and self.visible(principal, row) \
+                and self._same(row, obj):  # type: ignore[attr-defined]
+            return "unchanged", self.to_manifest(principal, row)
+        return await super().apply(session, principal, body)
+
+    @staticmethod
+    def _same(row: ResourceRow, obj: Any) -> bool:
+        wire = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return wire.get("spec", {}) == (row.spec or {}) and wire["metadata"].get("labels", {}) == (row.labels or {})
+
     async def replace(self, session: AsyncSession, principal: Principal, name: str, body: Any,
                       *, check_version: bool = True) -> dict[str, Any]:
         row = await self.load(session, principal, name)
         if row.phase not in DRAFT_PHASES:  # type: ignore[attr-defined]
-            raise errors.Conflict(f"job {name!r} is {row.phase}; its spec can no longer change")  # type: ignore[attr-defined]
+            raise errors.Conflict(f"job {name!r} is {row.phase}; its spec can no longer change: "  # type: ignore[attr-defined]
+                                  "submit it under a new name (or delete it first)")
         return await super().replace(session, principal, name, body, check_version=check_version)
 
     async def before_delete(self, session: AsyncSession, principal: Principal, row: ResourceRow) -> None:

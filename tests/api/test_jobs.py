@@ -158,6 +158,16 @@ async def test_accept_reserves_and_reduces_capacity(api) -> None:
     events = (await (await api.client.get("/api/v1/events?job=acc", headers=api.auth("alice"))).json())["items"]
     assert [e["reason"] for e in events] == ["Submitted", "Quoted", "Reserved"]
     assert events[1]["message"].startswith("quoted: ") and "None" not in events[1]["message"], events[1]
+    # ?limit= keeps the latest, in time order (it was ignored: a new user's `cpnctl get events --limit 3` got 62)
+    latest = (await (await api.client.get("/api/v1/events?job=acc&limit=2", headers=api.auth("alice"))).json())["items"]
+    assert [e["reason"] for e in latest] == ["Quoted", "Reserved"]
+    # re-applying the reserved job's manifest as it is: "unchanged" (it was a 409); a changed one says what to do
+    body = job("acc", gpus={"min": 8, "max": 8}, strategy="ddp", sites={"min": 1, "max": 1})
+    same = await api.client.post("/api/v1/apply", json={"items": [body]}, headers=api.auth("alice"))
+    assert same.status == 200 and (await same.json())["items"][0]["action"] == "unchanged", await same.text()
+    body["spec"]["tokens"] = body["spec"].get("tokens", 10**6) + 1
+    changed = await api.client.post("/api/v1/apply", json={"items": [body]}, headers=api.auth("alice"))
+    assert changed.status == 409 and "under a new name" in (await changed.json())["error"]["message"]
 
 
 async def test_expired_quote_is_409_with_fresh_quotes(api, db) -> None:

@@ -70,7 +70,8 @@ async def get_events(request: web.Request) -> web.Response:
             jobs = None
         else:
             jobs = await owned_keys(s, principal)
-        items = await list_events(s, jobs)
+        limit = request.query.get("limit")
+        items = await list_events(s, jobs, **({"limit": int(limit)} if limit else {}))
     for i, item in enumerate(items):
         item["metadata"] = {"name": f"{display_name(item['job'])}.{i}"}
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
@@ -87,4 +88,5 @@ def setup(app: web.Application) -> None:
                                         query=("job",)))
     add(app, get_invoices, RouteDoc("GET", "/api/v1/invoices", "Invoices (users) and payouts (providers)",
                                     "Invoice", query=("job",)))
-    add(app, get_events, RouteDoc("GET", "/api/v1/events", "Job events", "Event", query=("job",)))
+    add(app, get_events, RouteDoc("GET", "/api/v1/events", "Job events (the latest `limit`, in time order)", "Event",
+                                  query=("job", "limit")))

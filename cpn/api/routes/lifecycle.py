@@ -8,6 +8,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from typing import Any
 
 from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
@@ -172,12 +173,16 @@ async def get_metrics(request: web.Request) -> web.Response:
 async def post_cancel(request: web.Request) -> web.Response:
     principal = principal_of(request)
     db = request.app[state.DB]
-    async with db.serialized(), db.session() as s:
+
+    async def cancel(s: Any) -> dict[str, Any]:
         job = await load_job(s, principal, request.match_info["name"], lock=True)
         if job.phase in TERMINAL:
             raise errors.Conflict(f"job {job.name!r} is already {job.phase}")
         await request.app[RECONCILER].cancel(s, job)
-        out = JobStore().to_manifest(principal, job)
+        return JobStore().to_manifest(principal, job)
+
+    async with db.serialized():  # again from a fresh read if the reconciler wrote the job meanwhile
+        out = await db.transact(cancel)
     return json_response(out)
 
 

@@ -415,6 +415,8 @@ def _record_accuracy(job: JobRow) -> None:
 
 
 def _waiting(attempt: int, clusters: list[str]) -> str:
+    if not clusters:  # every sub-task is claimed: the workers are starting
+        return f"attempt {attempt}: sub-tasks claimed, workers starting"
     return f"attempt {attempt}: waiting for the agents of {', '.join(clusters)} to claim their sub-tasks"
 
 

@@ -378,14 +378,25 @@ def _check_request(req: JobRequirements, objective: Objective) -> None:
 def _where(req: JobRequirements) -> str:
     parts = []
     if req.regions:
-        parts.append(f"regions [{', '.join(sorted(req.regions))}]")
+        parts.append(f"in regions [{', '.join(sorted(req.regions))}]")
     if req.sites:
-        parts.append(f"sites [{', '.join(sorted(req.sites))}]")
+        parts.append(f"at sites [{', '.join(sorted(req.sites))}]")
     if req.exclude_sites:
-        parts.append(f"outside [{', '.join(sorted(req.exclude_sites))}]")
+        parts.append(f"outside sites [{', '.join(sorted(req.exclude_sites))}]")
     if req.data is not None and req.data.regions:
-        parts.append(f"dataset {req.data.name}'s regions [{', '.join(sorted(req.data.regions))}]")
-    return "in allowed " + " and ".join(parts) if parts else "anywhere"
+        parts.append(f"in dataset {req.data.name}'s regions [{', '.join(sorted(req.data.regions))}]")
+    return " and ".join(parts) if parts else "anywhere"
+
+
+def _where_field(req: JobRequirements) -> str:
+    """The spec field that confines the job most: what to change when nothing is left where it may run."""
+    if req.sites:
+        return "spec.placement.sites"
+    if req.exclude_sites and not req.regions:
+        return "spec.placement.excludeSites"
+    if req.regions:
+        return "spec.placement.regions"
+    return "spec.dataset" if req.data is not None and req.data.regions else "spec.placement"
 
 
 def _models(req: JobRequirements) -> str:
@@ -403,8 +414,7 @@ def _candidates(req: JobRequirements, offers: list[ClusterOffer], whole_replica:
     placed = [o for o in models if (req.regions is None or o.region in req.regions)
               and (req.sites is None or o.site in req.sites) and o.site not in req.exclude_sites]
     if not placed:
-        raise Infeasible(f"no {_models(req)} clusters {_where(req)}".replace("  ", " "),
-                         field="spec.placement.regions")
+        raise Infeasible(f"no {_models(req)} clusters {_where(req)}".replace("  ", " "), field=_where_field(req))
     placed = _resident(req, placed)
     fitting = _fitting(req, placed) if whole_replica else placed
     candidates = [o for o in fitting if o.free_gpus > 0 and o.currency == req.currency]
@@ -484,7 +494,8 @@ def diagnose(problem: Problem, solver: str) -> Infeasible:
     cheapest = solve(_with_objective(relaxed, Objective(cost=1.0, time=0.0)), solver)
     cost = cheapest.prediction.est_cost if cheapest else math.inf
     if req.budget is not None and cost > float(req.budget):
-        return Infeasible(f"cheapest feasible placement costs {cost:.2f} {req.currency}, budget is "
+        shown = f"{cost:.2f}" if cost >= 0.01 or math.isinf(cost) else f"{cost:.6f}".rstrip("0")
+        return Infeasible(f"cheapest feasible placement costs {shown} {req.currency}, budget is "
                           f"{req.budget} {req.currency}", field="spec.budget")
     if req.deadline_seconds is not None and req.budget is not None:
         takes, allows = distinct_durations([fastest.prediction.total_seconds, max(req.deadline_seconds, 0.0)])

@@ -76,10 +76,14 @@ def test_deadline_and_budget_are_met():
 
 @pytest.mark.parametrize(("req", "field", "text"), [
     (job(gpu_models=frozenset({"H100"}), regions=frozenset({"eu-west"}), gpus_min=200), "spec.gpus.min",
-     "No placement has 200 H100 GPUs free in allowed regions [eu-west]; at most 80 are"),
+     "No placement has 200 H100 GPUs free in regions [eu-west]; at most 80 are"),
     (job(gpu_models=frozenset({"B200"})), "spec.gpus.models", "no clusters offer GPU models [B200]"),
-    (job(regions=frozenset({"ap-south"})), "spec.placement.regions", "in allowed regions [ap-south]"),
-    (job(sites=frozenset({"par"}), sites_min=2), "spec.sites.min", "spans 2 sites with free GPUs in allowed sites [par]; at most 1 does"),
+    (job(regions=frozenset({"ap-south"})), "spec.placement.regions", "no clusters in regions [ap-south]"),
+    # a new user's placement: the field named is the one written, and 'outside' reads as English
+    (job(sites=frozenset({"nosuch"})), "spec.placement.sites", "no clusters at sites [nosuch]"),
+    (job(exclude_sites=frozenset({"ams", "par", "fra", "iad", "sfo", "lon", "waw"})), "spec.placement.excludeSites",
+     "no clusters outside sites [ams, fra, iad, lon, par, sfo, waw]"),
+    (job(sites=frozenset({"par"}), sites_min=2), "spec.sites.min", "spans 2 sites with free GPUs at sites [par]; at most 1 does"),
     (job(deadline_seconds=3600), "spec.deadline", "the deadline allows 1 h 00 min"),
     (job(budget=Decimal("100")), "spec.budget", "budget is 100 USD"),
 ])
