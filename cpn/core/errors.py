@@ -126,6 +126,8 @@ def _describe(value: Any) -> str:
         return "a mapping"
     if isinstance(value, list):
         return "a list"
+    if value is None or isinstance(value, bool):  # as the user wrote it (JSON/YAML), not Python's True
+        return {None: "null", True: "true", False: "false"}[value]
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -149,7 +151,19 @@ def _message(err: dict[str, Any]) -> str:
         return f"{msg.replace('Input should be', 'must be')}, got {_describe(err.get('input'))}"
     if kind in ("value_error", "assertion_error"):
         return re.sub(r"^(Value|Assertion) error, ", "", msg)
+    if kind == "string_pattern_mismatch":
+        pattern = ctx.get("pattern", "")
+        return f"must be {PATTERN_HINTS.get(pattern, f'text matching {pattern}')}, got {_describe(err.get('input'))}"
+    if kind in ("too_short", "too_long"):
+        bound = ctx.get("min_length") if kind == "too_short" else ctx.get("max_length")
+        unit = "item" if isinstance(err.get("input"), list | dict) else "character"
+        return (f"must have at {'least' if kind == 'too_short' else 'most'} {bound} {unit}{'' if bound == 1 else 's'}"
+                f", got {ctx.get('actual_length', len(err.get('input') or ''))}")
     return msg.replace("Input should be", "must be")
+
+
+# A schema's regular expression in words, for the errors that quote it (the schemas register theirs)
+PATTERN_HINTS: dict[str, str] = {}
 
 
 def validation_details(exc: Any, prefix: str = "") -> list[dict[str, str]]:
@@ -172,7 +186,11 @@ def _drop_union_noise(details: list[dict[str, str]]) -> list[dict[str, str]]:
     specific one (a rule broken inside the value beats "expected a mapping" / "must be a string")."""
     generic = ("expected a mapping", "must be a valid string")
     specific = {d["field"] for d in details if not d["message"].startswith(generic)}
-    kept = [d for d in details if d["field"] not in specific or not d["message"].startswith(generic)]
+
+    def explained(path: str) -> bool:  # a specific complaint at this path or inside it
+        return any(f == path or f.startswith((f"{path}.", f"{path}[")) for f in specific)
+
+    kept = [d for d in details if not (d["message"].startswith(generic) and explained(d["field"]))]
     return kept or details
 
 

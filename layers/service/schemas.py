@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from cpn.core import errors
 from cpn.core.manifest import CamelModel, ManifestBase, Money
 from cpn.runtime import presets
 from cpn.runtime.config import PS_STRATEGIES, STRATEGIES, StrategyConfig
@@ -130,13 +131,16 @@ class ParallelismSpec(CamelModel):
         "(strategy pipeline or auto; with spec.code, spec.model.layers and hidden describe the cut)"))
 
 
+ENTRYPOINT_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+errors.PATTERN_HINTS[ENTRYPOINT_PATTERN] = "module:function inside the bundle (e.g. train:main)"
+
+
 class CodeSpec(CamelModel):
     """The user's own training code: a bundle packed from ``path`` by ``cpnctl apply`` (which fills in
     ``digest``); the workers call ``entrypoint`` (``module:function``) with ``args`` as ``job.config``."""
 
     path: str | None = Field(default=None, max_length=4096, description="Local directory cpnctl packs (client side)")
-    entrypoint: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", max_length=200,
-                            description="module:function inside the bundle")
+    entrypoint: str = Field(pattern=ENTRYPOINT_PATTERN, max_length=200, description="module:function inside the bundle")
     args: dict[str, Any] = Field(default_factory=dict, description="Free JSON handed to cpn.train's job.config")
     digest: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$",
                                description="The uploaded bundle (PUT /api/v1/bundles/{sha256}); cpnctl sets it")

@@ -3,6 +3,8 @@ YAML line and column, scientific notation for numbers, kinds named as the CLI na
 
 from __future__ import annotations
 
+import pytest
+
 from tests.api.test_jobs import job, register_world, submit
 
 YAML = {"Content-Type": "application/yaml"}
@@ -68,3 +70,19 @@ async def test_objective_weights_are_bounded(api) -> None:
     assert resp.status == 422
     err = (await resp.json())["error"]
     assert err["field"] == "spec.objective.cost", err
+
+
+@pytest.mark.parametrize("spec, field, text", [
+    ({"model": {"parameters": 1000}, "tokens": 1000, "code": {"entrypoint": "train"}}, "spec.code.entrypoint",
+     "must be module:function inside the bundle (e.g. train:main), got 'train'"),
+    ({"model": {"parameters": True}, "tokens": 1000}, "spec.model.parameters", "must be a number, got true"),
+    ({"model": "tiny", "tokens": 1000, "budget": True}, "spec.budget", "must be a number, got true"),
+])
+async def test_messages_are_in_the_users_words(api, spec: dict, field: str, text: str) -> None:
+    """A new user's session: a regular expression, Python's `True` and a union's 'must be a valid string'
+    beside the real complaint reached the user."""
+    body = {"apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": {"name": "words"}, "spec": spec}
+    r = await api.client.post("/api/v1/jobs", json=body, headers=api.auth("alice"))
+    error = (await r.json())["error"]
+    assert r.status == 422 and error["field"] == field, error
+    assert text in error["message"] and "valid string" not in error["message"], error
