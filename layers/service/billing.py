@@ -77,7 +77,8 @@ async def contracts(session: AsyncSession, principal: Principal, job: str | None
     return list((await session.execute(stmt)).scalars())
 
 
-async def invoice_list(session: AsyncSession, principal: Principal, job: str | None = None) -> list[dict[str, Any]]:
+async def invoice_list(session: AsyncSession, principal: Principal, job: str | None = None,
+                       namespace: str | None = None) -> list[dict[str, Any]]:
     """Invoices (users, admins) or payouts (providers): one per contract. A user's contract is invoiced
     even when nothing was metered (a job cancelled before it ran bills 0.00). A payout's total is the
     provider's part of the user's total, so it is split over every entry of the contract (read here,
@@ -85,7 +86,8 @@ async def invoice_list(session: AsyncSession, principal: Principal, job: str | N
     rows = await entries(session, principal, job)
     provider_view = principal.role is Role.PROVIDER
     whole = await _contract_entries(session, {r.contract_id for r in rows}) if provider_view else None
-    return invoices(rows, provider_view=provider_view, contracts=await contracts(session, principal, job), whole=whole)
+    out = invoices(rows, provider_view=provider_view, contracts=await contracts(session, principal, job), whole=whole)
+    return out if namespace is None else [i for i in out if split_key(i["spec"]["job"])[0] == namespace]
 
 
 async def _contract_entries(session: AsyncSession, contract_ids: set[str]) -> dict[str, list[LedgerEntry]]:

@@ -69,3 +69,24 @@ async def test_jobs_are_created_only_in_the_callers_namespace(api) -> None:
     assert resp.status == 403 and err["field"] == "metadata.namespace" and "'bob'" in err["message"]
     body["metadata"]["namespace"] = "bob"
     assert (await submit(api, body, who="bob")).status == 201  # naming one's own namespace is fine
+
+
+async def test_invoices_follow_the_namespace_asked(api) -> None:
+    """A new user's session: `cpnctl -n bob get invoices` listed the caller's own invoices (the API ignored
+    ?namespace=); admins saw every namespace's."""
+
+    await register_world(api)
+    await submit(api, job("billed", gpus={"min": 1, "max": 1}, strategy="ddp", sites={"min": 1, "max": 1}))
+    resp = await api.client.post("/api/v1/jobs/billed/accept", json={"quote": "cheapest"}, headers=api.auth("alice"))
+    assert resp.status == 200, await resp.text()
+
+    async def names(who: str, query: str) -> list[str]:
+        r = await api.client.get(f"/api/v1/invoices{query}", headers=api.auth(who))
+        assert r.status == 200, await r.text()
+        return [i["spec"]["job"] for i in (await r.json())["items"]]
+
+    assert await names("alice", "") == ["alice/billed"]
+    assert await names("alice", "?namespace=alice") == ["alice/billed"]
+    assert await names("alice", "?namespace=bob") == []
+    assert await names("admin", "?namespace=alice") == ["alice/billed"]
+    assert await names("admin", "?namespace=nosuch") == []

@@ -56,7 +56,8 @@ async def get_reservations(request: web.Request) -> web.Response:
 async def get_invoices(request: web.Request) -> web.Response:
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        items = await billing.invoice_list(s, principal, job=await job_key(s, principal, request.query.get("job")))
+        items = await billing.invoice_list(s, principal, job=await job_key(s, principal, request.query.get("job")),
+                                           namespace=request.query.get("namespace") or None)
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 
@@ -87,6 +88,6 @@ def setup(app: web.Application) -> None:
     add(app, get_reservations, RouteDoc("GET", "/api/v1/reservations", "GPU leases", "Reservation",
                                         query=("job",)))
     add(app, get_invoices, RouteDoc("GET", "/api/v1/invoices", "Invoices (users) and payouts (providers)",
-                                    "Invoice", query=("job",)))
+                                    "Invoice", query=("job", "namespace")))
     add(app, get_events, RouteDoc("GET", "/api/v1/events", "Job events (the latest `limit`, in time order)", "Event",
                                   query=("job", "limit")))
