@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import click
@@ -87,15 +89,20 @@ def logs(obj: Ctx, job: str, site: str | None, follow: bool, rank: int | None, a
 
 @cli.command()
 @click.argument("job")
-@click.option("--timeout", type=float, default=0, help="Give up after this many seconds (0: never).")
-@click.option("--interval", type=float, default=1.0, show_default=True)
+@click.option("--timeout", type=click.FloatRange(min=0), default=0,
+              help="Give up after this many seconds (0: never).")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds between two looks at the job.")
 @pass_ctx
 def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
     """Wait for JOB to finish, with a live progress bar (on a terminal; elsewhere a line at each phase and
-    every 10 %); exit 1 unless it Succeeded."""
-    phase = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"].get("phase")
-    if phase in WAITING_FOR_USER:
-        raise click.ClickException(WAITING_FOR_USER[phase].format(job=job))
+    every 10 %); exit 1 unless it Succeeded, or at once when it waits for you (Quoted: accept a quote)."""
+    manifest = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")
+    if manifest["status"].get("phase") in WAITING_FOR_USER:
+        raise click.ClickException(WAITING_FOR_USER[manifest["status"]["phase"]].format(job=job))
+    # the job's currency before the first metrics bring status.cost (a job is billed in spec.currency)
+    currency = (manifest.get("spec") or {}).get("currency") or (manifest["status"].get("price") or {}).get(
+        "currency") or "USD"
     statuses = _until_done(obj, job, timeout, interval)
     if click.get_text_stream("stdout").isatty():
         with click.progressbar(length=1000, label=job, show_percent=True, show_eta=False,
@@ -103,14 +110,14 @@ def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
             done = 0
             for st in statuses:
                 target = int(10 * float((st.get("progress") or {}).get("percent") or 0))
-                bar.update(max(0, target - done), _progress_text(st))
+                bar.update(max(0, target - done), _progress_text(st, currency))
                 done = max(done, target)
     else:  # a pipe, a CI log: no bar to redraw, so a line whenever the phase or the tens of percent move
         said = None
         for st in statuses:
             mark = (st["phase"], int(float((st.get("progress") or {}).get("percent") or 0)) // 10)
             if mark != said:
-                click.echo(f"{job}: {_progress_text(st, percent=True)}")
+                click.echo(f"{job}: {_progress_text(st, currency, percent=True)}")
                 said = mark
     st = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"]
     click.echo(f"trainingjob/{job} {st['phase']}: {st.get('message', '')}")
@@ -119,40 +126,56 @@ def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
 
 
 def _until_done(obj: Ctx, job: str, timeout: float, interval: float) -> Iterator[dict[str, Any]]:
-    """The job's status every ``interval`` seconds, the last one terminal; a ClickException after ``timeout``."""
+    """The job's status every ``interval`` seconds, the last one terminal; a ClickException after ``timeout``,
+    or as soon as the job waits for its user (a profile run ends Quoted: it would wait forever)."""
     start = time.monotonic()
     while True:
         st = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"]
         yield st
         if st["phase"] in TERMINAL:
             return
+        if st["phase"] in WAITING_FOR_USER:
+            raise click.ClickException(WAITING_FOR_USER[st["phase"]].format(job=job))
         if timeout and time.monotonic() - start > timeout:
-            raise click.ClickException(f"{job} still {st['phase']} after {timeout:.0f}s")
+            raise click.ClickException(f"{job} still {st['phase']} after {timeout:g}s")
         time.sleep(interval)
 
 
-def _progress_text(st: dict[str, Any], *, percent: bool = False) -> str:
+def _progress_text(st: dict[str, Any], currency: str, *, percent: bool = False) -> str:
     prog, cost = st.get("progress") or {}, st.get("cost") or {}
     share = f" {float(prog.get('percent') or 0):.0f}%" if percent else ""
     return (f"{st['phase']}{share} loss {prog.get('loss') or '-'} "
-            f"cost {cost.get('total', '0.00')} {cost.get('currency', '')}").rstrip()
+            f"cost {cost.get('total') or '0.00'} {cost.get('currency') or currency}")
 
 
 @cli.command()
-@click.argument("what", type=click.Choice(["sites"]))
+@click.argument("what", type=click.Choice(["sites", "links"]))
 @OUTPUT
 @pass_ctx
 def top(obj: Ctx, what: str, fmt: str) -> None:
-    """Live usage per site: GPUs capacity / allocatable / leased, running sub-tasks."""
-    data = obj.client.get("/api/v1/top/sites")
+    """Live usage: per site (GPUs capacity / allocatable / leased, running sub-tasks) or per link
+    (bandwidth, RTT, how many running jobs span both of its ends)."""
+    data = obj.client.get(f"/api/v1/top/{what}")
     if fmt in ("json", "yaml"):
         click.echo(output.dump(data, fmt))
+        return
+    if not data["items"]:
+        click.echo(f"No {what} found.", err=True)
+        return
+    if what == "links":
+        rows = [[i["metadata"]["name"], str(i.get("a", "-")), str(i.get("b", "-")), _number(i.get("bandwidthGbps")),
+                 _number(i.get("rttMs")), str(i.get("jobs", 0))] for i in data["items"]]
+        click.echo(output.format_rows(["LINK", "A", "B", "BANDWIDTH GBPS", "RTT MS", "JOBS"], rows))
         return
     rows = [[i["metadata"]["name"], i["region"], i["provider"], f"{i['ready']}/{i['clusters']}",
              str(i["capacity"]), str(i["allocatable"]), str(i["leased"]), i["utilization"], str(i["running"])]
             for i in data["items"]]
     click.echo(output.format_rows(["SITE", "REGION", "PROVIDER", "READY", "CAPACITY", "ALLOCATABLE", "LEASED",
                                    "UTIL", "RUNNING"], rows))
+
+
+def _number(value: Any) -> str:
+    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 @cli.command()
@@ -165,19 +188,28 @@ def cp(obj: Ctx, source: str, dest: str) -> None:
     name, _, what = rest.partition(":")
     if kind not in ("job", "jobs", "trainingjob", "tj") or not name or what != "final":
         raise click.UsageError(f"cannot copy {source!r}: the source is job/NAME:final")
-    from pathlib import Path
-
     target = Path(dest)
+    folder = target.parent
+    if not folder.is_dir():  # one line naming the folder, never the .part file written before the rename
+        raise click.ClickException(f"{folder}: no such directory" if not folder.exists() else f"{folder}: not a directory")
     partial = target.with_name(target.name + ".part")
-    with partial.open("wb") as fh, click.progressbar(length=1, label=f"{name}:final", show_eta=False,
-                                                      file=click.get_text_stream("stderr")) as bar:
+    try:
+        fh = partial.open("wb")
+    except OSError as exc:
+        raise click.ClickException(f"{target}: cannot write: {(exc.strerror or str(exc)).lower()}") from exc
+    stderr = click.get_text_stream("stderr")
+    # a bar on a terminal only: elsewhere (a pipe, a CI log) click would print its label as a stray line
+    bar = click.progressbar(length=1, label=f"{name}:final", show_eta=False, file=stderr) if stderr.isatty() else None
+    with fh, bar if bar is not None else contextlib.nullcontext():
         def progress(done: int, total: int) -> None:
-            bar.length = max(total, done, 1)
-            bar.update(done - bar.pos)
+            if bar is not None:
+                bar.length = max(total, done, 1)
+                bar.update(done - bar.pos)
 
         try:
             size = obj.client.download(f"/api/v1/jobs/{obj.ref(name)}/final", fh, progress)
         except BaseException:
+            fh.close()
             partial.unlink(missing_ok=True)
             raise
     partial.replace(target)  # never a half-written model under the user's name

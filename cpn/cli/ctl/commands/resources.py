@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,15 +48,54 @@ def get(obj: Ctx, kind: str, name: str | None, selector: str | None, limit: int 
     if "{parent}" in path:
         if not name:
             raise click.UsageError(f"{k['plural']} belong to a parent: cpnctl get {k['plural']} PARENT")
-        emit(obj.client.get(path.replace("{parent}", obj.ref(name))), fmt, k["columns"])
+        listing = obj.client.get(path.replace("{parent}", obj.ref(name)))
+        if k["kind"] == "Quote" and fmt not in ("json", "yaml"):
+            listing["items"] = accepted_marked(listing["items"])
+            if not listing["items"]:
+                click.echo(_no_quotes(obj, name), err=True)
+                return
+        emit(listing, fmt, k["columns"])
         return
     if name:
-        emit(obj.client.get(f"{path}/{obj.ref(name)}"), fmt, k["columns"])
+        emit(get_one(obj, k, name), fmt, k["columns"])
         return
     items, more = list_all(obj, path, selector=selector, limit=limit, job=job)
     emit({"apiVersion": "cpn/v1", "kind": "List", "items": items}, fmt, k["columns"])
     if more:
         click.echo(f"(showing the first {limit}; more exist: raise --limit to see them)", err=True)
+
+
+def get_one(obj: Ctx, k: dict[str, Any], name: str) -> dict[str, Any]:
+    """One object of kind `k` by name. A kind the server only lists (invoices, reservations, …: no
+    GET {path}/{name}) is found in its listing; a missing one is one line naming it."""
+    if "get" in k.get("verbs", ["get"]):
+        return obj.client.get(f"{k['path']}/{obj.ref(name)}")
+    items, _ = list_all(obj, k["path"], selector=None, limit=None, job=None)
+    wanted = obj.qualified(name)
+    for item in items:
+        meta = item.get("metadata") or {}
+        if name in (meta.get("name"), meta.get("uid")) or wanted == f"{meta.get('namespace')}/{meta.get('name')}":
+            return item
+    hint = (f" (a job's {k['plural']}: cpnctl get {k['plural']} --job {name})"
+            if k["kind"] in ("Invoice", "Reservation", "Event") else "")
+    raise click.ClickException(f'{k["singular"]} "{name}" not found{hint}')
+
+
+def accepted_marked(quotes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Quotes with CHOSEN `*` on the accepted one only: before an accept the server marks the recommended
+    quote there, which its NOTE already says ("recommended")."""
+    return [{**q, "chosen": "*" if q.get("state") == "accepted" else ""} for q in quotes]
+
+
+def _no_quotes(obj: Ctx, job: str) -> str:
+    """Why JOB has no quotes to show, from its phase (a profile run quotes only once it has measured)."""
+    manifest = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")
+    meta, phase = manifest.get("metadata") or {}, (manifest.get("status") or {}).get("phase")
+    shown = f"{meta['namespace']}/{meta['name']}" if meta.get("namespace") else meta.get("name", job)
+    if phase in ("Pending", "Profiling"):
+        return f"No quotes yet: job {shown} is {phase}; its quotes follow the profile run" if phase == "Profiling" \
+            else f"No quotes yet: job {shown} is {phase}; it is quoted once the server has planned it"
+    return f"No quotes: job {shown} is {phase}"
 
 
 PAGE = 500
@@ -84,7 +124,18 @@ def list_all(obj: Ctx, path: str, *, selector: str | None, limit: int | None, jo
 def describe(obj: Ctx, kind: str, name: str) -> None:
     """Show one object in detail, with its conditions and events."""
     k = obj.kind(kind)
-    manifest = obj.client.get(f"{k['path']}/{obj.ref(name)}")
+    if "{parent}" in k["path"]:  # quotes: those of the job NAME, each described
+        items = obj.client.get(k["path"].replace("{parent}", obj.ref(name)))["items"]
+        if k["kind"] == "Quote":
+            items = accepted_marked(items)
+        if not items:
+            raise click.ClickException(_no_quotes(obj, name) if k["kind"] == "Quote"
+                                       else f"{name} has no {k['plural']}")
+        click.echo("\n\n".join(output.describe({"kind": k["kind"], "metadata": q.get("metadata") or {},
+                                                  "spec": {c: v for c, v in q.items() if c != "metadata"}})
+                                 for q in items))
+        return
+    manifest = get_one(obj, k, name)
     if k["kind"] == "TrainingJob":
         manifest["events"] = obj.client.get("/api/v1/events", job=obj.qualified(name))["items"]
         manifest["subtasks"] = obj.client.get(f"/api/v1/jobs/{obj.ref(name)}/subtasks")["items"]
@@ -157,6 +208,8 @@ def apply(obj: Ctx, source: str, dry_run: str, fmt: str) -> None:
     docs = read_documents(source)
     if not docs:
         raise click.ClickException(f"{source}: no objects to apply")
+    for doc in docs:
+        _refuse_non_finite(doc)
     params = {"dryRun": "true"} if dry_run == "server" else None
     upload_code(obj.client, docs, source)  # spec.code.path → an uploaded bundle's digest (also for a dry run)
     result = obj.client.request("POST", "/api/v1/apply", json={"items": docs}, params=params)
@@ -166,7 +219,34 @@ def apply(obj: Ctx, source: str, dry_run: str, fmt: str) -> None:
     for item in result["items"]:
         click.echo(f"{item['kind'].lower()}/{item['name']} {item['action']}" + (" (server dry run)" if params else ""))
         if item.get("quotes"):
-            click.echo(output.table(item["quotes"], obj.kind("quotes")["columns"]))
+            click.echo(output.table(accepted_marked(item["quotes"]), obj.kind("quotes")["columns"]))
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """The path of the first number in `value` that JSON cannot carry (inf, -inf, nan: `1e400`, `.nan`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if isinstance(value, dict):
+        items: Any = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for where, inner in items:
+        found = _non_finite(inner, where)
+        if found:
+            return found
+    return None
+
+
+def _refuse_non_finite(doc: dict[str, Any]) -> None:
+    """One line naming the object and field of a non-finite number, as the server says it, before sending
+    (the JSON encoder would refuse it with no field: "Out of range float values are not JSON compliant")."""
+    where = _non_finite(doc, "")
+    if where:
+        name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
+        raise click.ClickException(f"{str(doc.get('kind') or 'object').lower()}/{name or '?'}: {where}: "
+                                   "must be a finite number")
 
 
 @cli.command()
