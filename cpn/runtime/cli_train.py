@@ -168,8 +168,8 @@ def train_cmd(ctx: click.Context, sites: int, workers_per_site: int, wan_mbps: f
     try:
         cfg = resolve(cfg, topology, wan_mbps)
         preflight(cfg, topology)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    except ValueError as exc:  # the runtime's checks name config fields: say the options instead
+        raise click.UsageError(_with_options(str(exc))) from exc
     try:
         summary = run_local(cfg, topology, wan_mbps=wan_mbps, run_dir=run_dir)
     except RuntimeError as exc:

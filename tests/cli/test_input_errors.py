@@ -52,6 +52,7 @@ def test_apply_refuses_a_duplicate_key_with_file_and_line(env, tmp_path: Path) -
     (["--global-batch", "0"], "--global-batch: Input should be greater than 0"),
     (["--sites", "0"], "'--sites': 0 is not in the range x>=1"),
     (["--global-batch", "960"], "--global-batch 960 is not a multiple of --seq-len 128: use 896"),  # two options
+    (["--strategy", "pipeline", "--sites", "4", "--stages", "3"], "--stages 3 must divide the job's 4 sites"),  # preflight
     (["--workers-per-site", "0"], "'--workers-per-site': 0 is not in the range x>=1"),
 ])
 def test_cpn_train_names_the_option_and_exits_2(env, args: list[str], said: str) -> None:
@@ -59,7 +60,7 @@ def test_cpn_train_names_the_option_and_exits_2(env, args: list[str], said: str)
     assert proc.returncode == 2, proc.stderr
     line = one_line(proc)
     assert said in line, line
-    assert "literal[" not in line and "strategy.inner_steps" not in line and "global_batch_tokens" not in line
+    assert "literal[" not in line and "strategy." not in line and "global_batch_tokens" not in line
 
 
 def test_cpn_train_help_shows_defaults(env) -> None:
