@@ -52,7 +52,7 @@ def _by_label(rows: Any) -> list[Any]:
 def _shown(rows: list[Any], spec: dict[str, Any], status: dict[str, Any]) -> list[dict[str, Any]]:
     """`views` of a job's quote rows, given its stored spec and status."""
     reason = pricing_only_reason(TrainingJobSpec.model_validate(spec))
-    return views([public(q) for q in rows], status.get("quote") or RECOMMENDED, pricing_only=reason)
+    return views([public(q) for q in rows], status.get("quote"), pricing_only=reason)  # `recommended` says which is advised
 
 
 async def find_quote(session: AsyncSession, job: JobRow, ref: str) -> QuoteRow:

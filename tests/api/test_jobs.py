@@ -155,6 +155,8 @@ async def test_accept_reserves_and_reduces_capacity(api) -> None:
     await submit(api, job("next", gpus={"min": 8, "max": 8}, strategy="ddp", sites={"min": 1, "max": 1}))
     for q in await quotes(api, "next"):
         assert all(p["cluster"] != cluster_name for p in q["placement"])
+        assert q["chosen"] == ""  # nothing accepted yet: `recommended` says which is advised
+    assert [q["chosen"] for q in await quotes(api, "acc")].count("*") == 1
     events = (await (await api.client.get("/api/v1/events?job=acc", headers=api.auth("alice"))).json())["items"]
     assert [e["reason"] for e in events] == ["Submitted", "Quoted", "Reserved"]
     assert events[1]["message"].startswith("quoted: ") and "None" not in events[1]["message"], events[1]
