@@ -154,11 +154,13 @@ def _message(err: dict[str, Any]) -> str:
     if kind == "string_pattern_mismatch":
         pattern = ctx.get("pattern", "")
         return f"must be {PATTERN_HINTS.get(pattern, f'text matching {pattern}')}, got {_describe(err.get('input'))}"
-    if kind in ("too_short", "too_long"):
-        bound = ctx.get("min_length") if kind == "too_short" else ctx.get("max_length")
-        unit = "item" if isinstance(err.get("input"), list | dict) else "character"
-        return (f"must have at {'least' if kind == 'too_short' else 'most'} {bound} {unit}{'' if bound == 1 else 's'}"
-                f", got {ctx.get('actual_length', len(err.get('input') or ''))}")
+    if kind in ("too_short", "too_long", "string_too_short", "string_too_long"):
+        short = kind.endswith("too_short")
+        bound = ctx.get("min_length") if short else ctx.get("max_length")
+        unit = "character" if kind.startswith("string") else "item"
+        actual = ctx.get("actual_length")  # None for a mapping or a set
+        actual = len(err.get("input") or ()) if actual is None else actual
+        return f"must have at {'least' if short else 'most'} {bound} {unit}{'' if bound == 1 else 's'}, got {actual}"
     return msg.replace("Input should be", "must be")
 
 

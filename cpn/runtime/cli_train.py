@@ -122,7 +122,8 @@ def _explain(exc: ValueError) -> str:
 def _with_options(msg: str) -> str:
     """A check across several fields (no location) names the config's fields: say the options instead."""
     for path, option in OPTION_OF.items():
-        msg = re.sub(rf"(?<![\w.]){re.escape(path)}\b", option, msg)
+        if "." in path or "_" in path:  # a config path, never a plain word such as "model" or "tokens"
+            msg = re.sub(rf"(?<![\w.]){re.escape(path)}\b", option, msg)
     return msg
 
 

@@ -36,5 +36,5 @@ async def list_events(session: AsyncSession, jobs: list[str] | None, limit: int 
     if jobs is not None:
         stmt = stmt.where(EventRow.job.in_(jobs))
     rows = list((await session.execute(stmt)).scalars())[::-1]
-    return [{"at": as_utc(e.at).isoformat(), "job": e.job, "subtask": e.subtask, "type": e.type,
+    return [{"uid": e.id, "at": as_utc(e.at).isoformat(), "job": e.job, "subtask": e.subtask, "type": e.type,
              "reason": e.reason, "message": e.message} for e in rows]

@@ -163,6 +163,8 @@ async def test_accept_reserves_and_reduces_capacity(api) -> None:
     # ?limit= keeps the latest, in time order (it was ignored: a new user's `cpnctl get events --limit 3` got 62)
     latest = (await (await api.client.get("/api/v1/events?job=acc&limit=2", headers=api.auth("alice"))).json())["items"]
     assert [e["reason"] for e in latest] == ["Quoted", "Reserved"]
+    names = [e["metadata"]["name"] for e in events]  # an event's name is its own, not its place in a listing
+    assert [e["metadata"]["name"] for e in latest] == names[1:] and len(set(names)) == 3
     # re-applying the reserved job's manifest as it is: "unchanged" (it was a 409); a changed one says what to do
     body = job("acc", gpus={"min": 8, "max": 8}, strategy="ddp", sites={"min": 1, "max": 1})
     same = await api.client.post("/api/v1/apply", json={"items": [body]}, headers=api.auth("alice"))

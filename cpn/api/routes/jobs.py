@@ -73,8 +73,9 @@ async def get_events(request: web.Request) -> web.Response:
             jobs = await owned_keys(s, principal)
         limit = request.query.get("limit")
         items = await list_events(s, jobs, **({"limit": int(limit)} if limit else {}))
-    for i, item in enumerate(items):
-        item["metadata"] = {"name": f"{display_name(item['job'])}.{i}"}
+    for item in items:  # a name of its own (not its place in this listing, which ?limit moves)
+        uid = item.pop("uid")
+        item["metadata"] = {"name": f"{display_name(item['job'])}.{uid[:8]}", "uid": uid}
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 

@@ -494,7 +494,7 @@ def diagnose(problem: Problem, solver: str) -> Infeasible:
     cheapest = solve(_with_objective(relaxed, Objective(cost=1.0, time=0.0)), solver)
     cost = cheapest.prediction.est_cost if cheapest else math.inf
     if req.budget is not None and cost > float(req.budget):
-        shown = f"{cost:.2f}" if cost >= 0.01 or math.isinf(cost) else f"{cost:.6f}".rstrip("0")
+        shown = f"{cost:.2f}" if cost >= 0.01 or math.isinf(cost) else f"{cost:.2g}"  # 0.0018, not 0.00
         return Infeasible(f"cheapest feasible placement costs {shown} {req.currency}, budget is "
                           f"{req.budget} {req.currency}", field="spec.budget")
     if req.deadline_seconds is not None and req.budget is not None:
