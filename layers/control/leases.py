@@ -87,9 +87,13 @@ async def expire(session: AsyncSession, now: datetime | None = None) -> list[str
     return sorted({r.job for r in rows})
 
 
-async def visible(session: AsyncSession, principal: Principal, job: str | None = None) -> list[LeaseRow]:
-    """Leases the caller may see: a provider those on its clusters, a user those of its jobs."""
+async def visible(session: AsyncSession, principal: Principal, job: str | None = None,
+                  namespace: str | None = None) -> list[LeaseRow]:
+    """Leases the caller may see: a provider those on its clusters, a user those of its jobs (of the
+    jobs in ``namespace`` only, when given)."""
     rows = await active(session, job=job)
+    if namespace is not None:
+        rows = [r for r in rows if r.job.startswith(f"{namespace}/")]
     if principal.role is Role.PROVIDER:
         mine = set((await session.execute(select(ClusterRow.name).where(ClusterRow.owner_id == principal.account_id)))
                    .scalars())

@@ -30,11 +30,14 @@ async def record_event(session: AsyncSession, job: str, type_: str, reason: str,
     session.add(EventRow(job=job, type=type_, reason=reason, message=message[:4000], subtask=subtask, at=utcnow()))
 
 
-async def list_events(session: AsyncSession, jobs: list[str] | None, limit: int = 500) -> list[dict[str, Any]]:
-    """The latest ``limit`` events (of ``jobs``, or all), oldest first."""
+async def list_events(session: AsyncSession, jobs: list[str] | None, limit: int = 500,
+                      namespace: str | None = None) -> list[dict[str, Any]]:
+    """The latest ``limit`` events (of ``jobs``, or all; of the jobs in ``namespace`` only), oldest first."""
     stmt = select(EventRow).order_by(EventRow.at.desc(), EventRow.id.desc()).limit(limit)
     if jobs is not None:
         stmt = stmt.where(EventRow.job.in_(jobs))
+    if namespace is not None:
+        stmt = stmt.where(EventRow.job.startswith(f"{namespace}/", autoescape=True))
     rows = list((await session.execute(stmt)).scalars())[::-1]
     return [{"uid": e.id, "at": as_utc(e.at).isoformat(), "job": e.job, "subtask": e.subtask, "type": e.type,
              "reason": e.reason, "message": e.message} for e in rows]

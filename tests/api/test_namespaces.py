@@ -90,3 +90,9 @@ async def test_invoices_follow_the_namespace_asked(api) -> None:
     assert await names("alice", "?namespace=bob") == []
     assert await names("admin", "?namespace=alice") == ["alice/billed"]
     assert await names("admin", "?namespace=nosuch") == []
+    for path in ("/api/v1/events", "/api/v1/reservations"):  # the other job lists filter alike
+        for who, ns, some in (("alice", "alice", True), ("alice", "bob", False), ("admin", "nosuch", False)):
+            r = await api.client.get(f"{path}?namespace={ns}", headers=api.auth(who))
+            items = (await r.json())["items"]
+            assert r.status == 200 and bool(items) is some, (path, who, ns, items)
+            assert all(i.get("job", i.get("spec", {}).get("job", "")).startswith(f"{ns}/") for i in items)

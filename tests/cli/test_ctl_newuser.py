@@ -173,3 +173,10 @@ def test_top_links(world) -> None:  # type: ignore[no-untyped-def]
     assert any(r.split()[:3] == ["fra-1--ams-1", "fra-1", "ams-1"] and r.split()[-1] == "0" for r in rows), rows
     data = json.loads(world.cpnctl("top", "links", "-o", "json").stdout)
     assert {i["metadata"]["name"] for i in data["items"]} >= {"fra-1--ams-1", "ams-1--nyc-1"}
+
+
+def test_an_empty_listing_names_the_namespace_it_looked_in(world) -> None:  # type: ignore[no-untyped-def]
+    """A new user's session: `-n bob get jobs` as alice said only "No resources found." (bob has jobs;
+    alice sees her own namespace's)."""
+    out = world.cpnctl("-n", "bob", "get", "jobs")
+    assert out.returncode == 0 and "No resources found in namespace bob." in out.stderr, out.stderr

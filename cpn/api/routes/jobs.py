@@ -43,7 +43,8 @@ async def post_accept(request: web.Request) -> web.Response:
 async def get_reservations(request: web.Request) -> web.Response:
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        rows = await leases.visible(s, principal, job=await job_key(s, principal, request.query.get("job")))
+        rows = await leases.visible(s, principal, job=await job_key(s, principal, request.query.get("job")),
+                                    namespace=request.query.get("namespace") or None)
     items = [{"apiVersion": "cpn/v1", "kind": "Reservation",
               "metadata": {"name": r.id[:8], "uid": r.id, "creationTimestamp": as_utc(r.created_at).isoformat()},
               "spec": {"job": r.job, "subtask": r.subtask, "cluster": r.cluster, "gpus": r.gpus,
@@ -72,7 +73,8 @@ async def get_events(request: web.Request) -> web.Response:
         else:
             jobs = await owned_keys(s, principal)
         limit = request.query.get("limit")
-        items = await list_events(s, jobs, **({"limit": int(limit)} if limit else {}))
+        items = await list_events(s, jobs, **({"limit": int(limit)} if limit else {}),
+                                  namespace=request.query.get("namespace") or None)
     for item in items:  # a name of its own (not its place in this listing, which ?limit moves)
         uid = item.pop("uid")
         item["metadata"] = {"name": f"{display_name(item['job'])}.{uid[:8]}", "uid": uid}
@@ -87,8 +89,8 @@ def setup(app: web.Application) -> None:
                                    "TrainingJob", request=AcceptRequest, response=TrainingJobManifest,
                                    params=("name",)))
     add(app, get_reservations, RouteDoc("GET", "/api/v1/reservations", "GPU leases", "Reservation",
-                                        query=("job",)))
+                                        query=("job", "namespace")))
     add(app, get_invoices, RouteDoc("GET", "/api/v1/invoices", "Invoices (users) and payouts (providers)",
                                     "Invoice", query=("job", "namespace")))
     add(app, get_events, RouteDoc("GET", "/api/v1/events", "Job events (the latest `limit`, in time order)", "Event",
-                                  query=("job", "limit")))
+                                  query=("job", "limit", "namespace")))

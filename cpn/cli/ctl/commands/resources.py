@@ -20,13 +20,13 @@ OUTPUT = click.option("-o", "--output", "fmt", type=click.Choice(["table", "wide
                       default="table", show_default=True, help="Output format.")
 
 
-def emit(obj: Any, fmt: str, columns: list[dict[str, Any]] | None = None) -> None:
+def emit(obj: Any, fmt: str, columns: list[dict[str, Any]] | None = None, namespace: str | None = None) -> None:
     if fmt in ("json", "yaml"):
         click.echo(output.dump(obj, fmt))
         return
     items = obj["items"] if obj.get("kind") == "List" else [obj]
-    if not items:
-        click.echo("No resources found.", err=True)
+    if not items:  # as kubectl says it; a user sees only their own namespace's objects
+        click.echo(f"No resources found in namespace {namespace}." if namespace else "No resources found.", err=True)
         return
     click.echo(output.table(items, columns or [], wide=fmt == "wide"))
 
@@ -60,7 +60,7 @@ def get(obj: Ctx, kind: str, name: str | None, selector: str | None, limit: int 
         emit(get_one(obj, k, name), fmt, k["columns"])
         return
     items, more = list_all(obj, path, selector=selector, limit=limit, job=job)
-    emit({"apiVersion": "cpn/v1", "kind": "List", "items": items}, fmt, k["columns"])
+    emit({"apiVersion": "cpn/v1", "kind": "List", "items": items}, fmt, k["columns"], obj.namespace)
     if more:
         click.echo(f"(showing the first {limit}; more exist: raise --limit to see them)", err=True)
 
