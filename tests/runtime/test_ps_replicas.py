@@ -65,7 +65,7 @@ def test_the_cli_names_the_field_of_a_bad_ps_setting() -> None:
 
     out = CliRunner().invoke(train_cmd, ["--sites", "2", "--workers-per-site", "1", "--strategy", "ps_sync",
                                          "--ps", "2", "--ps-replicas", "2"])
-    assert out.exit_code == 2 and "strategy.ps_replicas 2 needs 3 sites" in out.output, out.output
+    assert out.exit_code == 2 and "--ps-replicas 2 needs 3 sites" in out.output, out.output
     out = CliRunner().invoke(train_cmd, ["--strategy", "async_ps", "--kill-ps", "1"])
     assert out.exit_code == 2 and "kill_ps and kill_at_step go together" in out.output, out.output
     assert "Traceback" not in out.output

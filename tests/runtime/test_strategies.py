@@ -172,7 +172,7 @@ def test_config_errors_are_found_before_any_worker_starts_and_failures_name_the_
         preflight(tiny("ddp", faults=FaultConfig(slow_site=4, slowdown=2)), TWO_BY_TWO)
     out = CliRunner().invoke(train_cmd, ["--sites", "3", "--workers-per-site", "1", "--strategy", "async_ps",
                                          "--ps", "4"])
-    assert out.exit_code == 2 and "strategy.ps 4 exceeds the 3 ranks" in out.output and "Traceback" not in out.output
+    assert out.exit_code == 2 and "--ps 4 exceeds the 3 ranks" in out.output and "Traceback" not in out.output
     log = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: shard too small\n"
     results = [WorkerResult(0, 0, 0), WorkerResult(1, 0, 1, log=log), WorkerResult(2, 1, -9, log="")]
     assert failure_lines(results, set()) == ["rank 1 (site 0) exited 1: ValueError: shard too small",
