@@ -78,20 +78,58 @@ class ShardSampler:
 
     ``sampling="whole"``: the windows come from the whole training split instead (still keyed by
     ``shard``, the worker's rank, so workers draw different windows): i.i.d. draws from the data set,
-    as strategies that drop some workers' gradients need."""
+    as strategies that drop some workers' gradients need.
+
+    :meth:`windows` reads a step's windows by their place in the *canonical* layout (equal shares,
+    what ddp's ranks read): throughput-proportional shares then change which rank computes a window,
+    never which windows the step learns from."""
 
     def __init__(self, train: np.ndarray, *, shard: int, num_shards: int, seq_len: int, seed: int,
                  sampling: Sampling = "shard"):
-        size = len(train) // num_shards
-        self.data = train if sampling == "whole" else train[shard * size : (shard + 1) * size]
+        self.train, self.num_shards, self.sampling = train, num_shards, sampling
+        start = self._offset(shard)
+        self.data = train if sampling == "whole" else train[start : start + len(train) // num_shards]
         if len(self.data) <= seq_len + 1:
             raise ValueError(f"shard of {len(self.data)} bytes is too small for seq_len {seq_len}: use fewer workers")
         self.seq_len, self.seed, self.shard = seq_len, seed, shard
 
+    def _offset(self, shard: int) -> int:
+        """Where ``shard``'s data begins in the training split (0 for ``sampling="whole"``)."""
+        return 0 if self.sampling == "whole" else shard * (len(self.train) // self.num_shards)
+
+    def _starts(self, shard: int, step: int, count: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, shard, step])
+        return rng.integers(0, len(self.data) - self.seq_len - 1, size=count)
+
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rng = np.random.default_rng([self.seed, self.shard, step])
-        starts = rng.integers(0, len(self.data) - self.seq_len - 1, size=batch_size)
-        return _windows(self.data, starts, self.seq_len)
+        return _windows(self.data, self._starts(self.shard, step, batch_size), self.seq_len)
+
+    def windows(self, step: int, picks: list[tuple[int, int]], drawn: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows ``picks`` = [(shard q, index i), …] of ``step``: window i of the ``drawn[q]``
+        that shard q's rank draws in that step (:meth:`batch` on shard q; see :func:`canonical_picks`).
+        Picks of this rank's own shard alone, in order, are :meth:`batch`."""
+        draws = {q: self._offset(q) + self._starts(q, step, drawn[q]) for q in {q for q, _ in picks}}
+        starts = np.array([draws[q][i] for q, i in picks], dtype=np.int64)
+        return _windows(self.train, starts, self.seq_len)
+
+
+def canonical_picks(units: list[int], canonical: list[int], rank: int, seq_len: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Which windows of a step ``rank`` computes when the ranks hold ``units`` tokens each, while the
+    step's windows are those of the ``canonical`` layout (each rank q of equal shares reads its whole
+    sequences and, in a trimmed step, one partial one from shard q). The canonical whole windows are
+    dealt out in rank order by ``units``; the partial window (a trimmed step's tail) goes with the tail.
+    Returns ``(picks, drawn)``: [(shard, index)] and how many windows each shard's draw holds."""
+    whole = [(q, i) for q, c in enumerate(canonical) for i in range(c // seq_len)]
+    drawn = [c // seq_len + (1 if c % seq_len else 0) for c in canonical]
+    full = [u // seq_len for u in units]
+    if sum(full) != len(whole):
+        raise ValueError(f"the ranks' {sum(full)} whole sequences are not the canonical {len(whole)}")
+    start = sum(full[:rank])
+    picks = whole[start : start + full[rank]]
+    if units[rank] % seq_len:
+        owner = next(q for q, c in enumerate(canonical) if c % seq_len)
+        picks.append((owner, canonical[owner] // seq_len))
+    return picks, drawn
 
 
 def val_batches(val: np.ndarray, *, seq_len: int, batches: int, batch_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:

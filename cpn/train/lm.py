@@ -35,14 +35,17 @@ def evaluate(model: torch.nn.Module, batches: list, precision: str = "fp32") -> 
         return sum(model.loss(x, y).item() for x, y in batches) / len(batches)
 
 
-def step_loss(model: torch.nn.Module, sampler: ShardSampler, cfg: TrainConfig, step: int, units: int,
-              device: torch.device) -> Tensor | None:
-    """This rank's loss for ``step`` over its ``units`` tokens: whole sequences and, in a trimmed last
-    step, maybe the front of one more; the mean over those tokens. None when the rank has none."""
+def step_loss(model: torch.nn.Module, sampler: ShardSampler, trainer: Trainer, device: torch.device) -> Tensor | None:
+    """This rank's loss for the trainer's current step over its ``trainer.units`` tokens: whole
+    sequences and, in a trimmed last step, maybe the front of one more; the mean over those tokens.
+    None when the rank has none. The windows are the step's canonical ones (what ddp's equal shares
+    read), dealt out by the ranks' shares, so balanced shares learn from the same data as ddp."""
+    cfg: TrainConfig = trainer.ctx.cfg
+    units = trainer.units
     full, tail = divmod(units, cfg.seq_len)
     if not full and not tail:
         return None
-    x, y = (t.to(device, non_blocking=True) for t in sampler.batch(step, full + (1 if tail else 0)))
+    x, y = (t.to(device, non_blocking=True) for t in sampler.windows(trainer.steps, *trainer.ctx.window_picks()))
     with autocast(device, cfg.device.precision):
         if not tail:
             return model.loss(x, y)
@@ -78,7 +81,7 @@ def train(job: Job) -> Trainer:
         if trainer.pipelined:  # the pipeline strategy feeds its stages itself
             trainer.step(tokens=trainer.units)
         else:
-            trainer.step(step_loss(model, sampler, cfg, trainer.steps, trainer.units, device), tokens=trainer.units)
+            trainer.step(step_loss(model, sampler, trainer, device), tokens=trainer.units)
         if trainer.steps % cfg.val_every == 0 and not trainer.done:
             validate()
     validate()  # the final (consensus) model

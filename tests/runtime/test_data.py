@@ -46,3 +46,28 @@ def test_each_worker_reads_its_own_shard_deterministically() -> None:
     assert not torch.equal(x1, samplers[1].batch(step=6, batch_size=8)[0])
     assert not torch.equal(x1, samplers[2].batch(step=5, batch_size=8)[0])
     assert x1.dtype == torch.int64 and x1.max() < 256
+
+
+def _rows(t: torch.Tensor) -> list[tuple[int, ...]]:
+    return sorted(map(tuple, t.tolist()))
+
+
+def test_balanced_shares_deal_out_the_canonical_windows() -> None:
+    """Uneven shares read exactly the windows of the equal layout (a full step and a trimmed one with a
+    partial sequence), each once; equal shares read what each rank's own shard draw gives."""
+    from cpn.runtime.config import trim_shares
+    from cpn.runtime.data import canonical_picks
+
+    train = np.random.default_rng(0).integers(0, 256, size=120_000).astype(np.uint8)
+    seq, equal = 16, [11, 11, 10]
+    samplers = [ShardSampler(train, shard=r, num_shards=3, seq_len=seq, seed=0) for r in range(3)]
+    for r, sampler in enumerate(samplers):
+        picks, drawn = canonical_picks([s * seq for s in equal], [s * seq for s in equal], r, seq)
+        assert picks == [(r, i) for i in range(equal[r])]
+        assert torch.equal(sampler.windows(4, picks, drawn)[0], sampler.batch(4, equal[r])[0])
+    for canonical, units in (([s * seq for s in equal], [14 * seq, 13 * seq, 5 * seq]),
+                             (trim_shares(20 * seq + 7, equal, seq), trim_shares(20 * seq + 7, [14, 13, 5], seq))):
+        want = torch.cat([s.batch(7, c // seq + (1 if c % seq else 0))[0] for s, c in zip(samplers, canonical, strict=True)])
+        got = [s.windows(7, *canonical_picks(units, canonical, r, seq))[0] for r, s in enumerate(samplers)]
+        assert [len(g) for g in got] == [u // seq + (1 if u % seq else 0) for u in units]
+        assert _rows(torch.cat(got)) == _rows(want)

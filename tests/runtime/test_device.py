@@ -89,7 +89,8 @@ def test_every_strategy_keeps_its_state_on_the_worker_device(strategy: str, devi
         assert got["checked"] > 40  # params, grads, optimiser state at least
         assert got["wan_backend"] == "gloo"
         assert got["backend"] == ("gloo" if device == "cpu" else "nccl")
-    assert ranks[0]["step"] >= 8 or strategy in ("gossip", "ssp", "async_ps")
+    # the barrier-free budgets (and ps_backup's, counted over every worker's pushes) let rank 0 take fewer steps
+    assert ranks[0]["step"] >= 8 or strategy in ("gossip", "ssp", "async_ps", "ps_backup")
 
 
 def test_diloco_outer_state_on_the_host_when_asked(device: str) -> None:

@@ -191,6 +191,27 @@ def test_balanced_shares_follow_measured_speed(tmp_path: Path) -> None:
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
 
 
+def test_balanced_shares_learn_from_ddps_windows(tmp_path: Path) -> None:
+    """Throughput-proportional shares move sequences between ranks, not the step's data: every step
+    learns from the windows ddp's equal shares read (the trimmed last step too), so with a slow site
+    the balanced run ends with ddp's parameters."""
+    slow = FaultConfig(slow_site=2, slowdown=3.0)
+    three = Topology.uniform(3, 1)
+    knobs = {"optimizer": "sgd", "lr": 0.5, "faults": slow}
+    ddp = tiny("ddp", steps=30, balance=False, **knobs)
+    balanced = tiny("hierarchical", steps=30, balance=True, **knobs)
+    ddp = ddp.model_copy(update={"tokens": ddp.tokens + 200})  # a trimmed last step of 200 tokens
+    balanced = balanced.model_copy(update={"tokens": ddp.tokens})
+    run(ddp, tmp_path / "ddp", three)
+    run(balanced, tmp_path / "balanced", three)
+    tokens = [[json.loads(line) for line in (tmp_path / "balanced" / "metrics" / f"rank{r}.jsonl").read_text()
+               .splitlines()][-1]["tokens"] for r in range(3)]
+    assert tokens[2] < min(tokens[0], tokens[1]), tokens  # the shares did move
+    a, b = final_params(tmp_path / "ddp"), final_params(tmp_path / "balanced")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=5e-5, rtol=1e-4, msg=name)
+
+
 def test_balance_windows_split_early_then_keep_following_the_speeds() -> None:
     from cpn.runtime.strategies.base import BALANCE_EVERY, BALANCE_WINDOWS, balance_window
 

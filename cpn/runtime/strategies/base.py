@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from cpn.runtime.codecs import ErrorFeedback, get_codec
 from cpn.runtime.collectives import Stats, broadcast_from_site_leader, site_allreduce
 from cpn.runtime.config import PS_STRATEGIES, TrainConfig, trim_shares
-from cpn.runtime.data import ShardSampler
+from cpn.runtime.data import ShardSampler, canonical_picks
 from cpn.runtime.device import HOST, HostStage
 from cpn.runtime.groups import Groups
 from cpn.runtime.metrics import Timers
@@ -98,6 +98,17 @@ class Context:
     def tokens_of(self, rank: int) -> int:
         """``rank``'s tokens in the current step (its share of a full step, or of the trimmed last one)."""
         return self.step_share[rank] if self.step_share is not None else self.share_of(rank) * self.cfg.seq_len
+
+    def window_picks(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """This rank's windows of the current step as (shard, index) picks of the step's canonical
+        layout (equal shares, what ddp reads), and each shard's draw size: throughput-proportional
+        shares move windows between ranks, the step still learns from ddp's windows
+        (:func:`~cpn.runtime.data.canonical_picks`)."""
+        n, seq_len = self.groups.world_size, self.cfg.seq_len
+        units = [self.tokens_of(r) for r in range(n)]
+        equal = self.cfg.shares(n)
+        canonical = [s * seq_len for s in equal] if self.step_share is None else trim_shares(sum(units), equal, seq_len)
+        return canonical_picks(units, canonical, self.rank, seq_len)
 
     def site_sequences(self, site: int) -> int:
         return sum(self.share_of(r) for r in self.groups.topology.ranks_of(site))
