@@ -66,3 +66,15 @@ def test_cpn_train_names_the_option_and_exits_2(env, args: list[str], said: str)
 def test_cpn_train_help_shows_defaults(env) -> None:
     out = " ".join(run_cli(["cpn", "train", "--help"], env).stdout.split())  # help wraps at the width
     assert "[default: ddp]" in out and "[default: 16384]" in out and "S sites [default: 2; x>=1]" in out
+
+
+def test_a_token_with_a_space_or_line_break_inside_is_named_before_any_request(env) -> None:
+    """A token pasted with something else (two lines of a terminal, `token stored in …`) read 'cannot reach
+    the server: Illegal header value'; now one line says what is wrong with the token. A trailing line
+    break alone is dropped (the server here is unreachable, so the request is what fails then)."""
+    proc = run_cli(["cpnctl", "get", "clusters"], {**env, "CPN_TOKEN": "cpn_ab_cd\ntoken stored in sqlite"})
+    assert proc.returncode == 1
+    assert one_line(proc).startswith("error: the token holds a space, line break or other character")
+    proc = run_cli(["cpnctl", "get", "clusters"], {**env, "CPN_TOKEN": "cpn_ab_cd\n"})
+    assert proc.returncode == 1
+    assert one_line(proc).startswith("error: cannot reach http://127.0.0.1:9")
