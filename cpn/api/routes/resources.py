@@ -152,7 +152,7 @@ async def apply(request: web.Request) -> web.Response:
             try:
                 action, out = await _apply_one(kind.store, s, principal, doc, dry)
             except errors.CPNError as exc:
-                exc.message = f"items[{i}] ({kind.kind}) {exc.message}"
+                exc.message = f"items[{i}] ({kind.kind}): {exc.message}"
                 exc.field = f"items[{i}].{exc.field}" if exc.field else f"items[{i}]"
                 raise
             results.append({"index": i, "kind": kind.kind, "name": out["metadata"]["name"], "action": action,
