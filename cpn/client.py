@@ -34,10 +34,10 @@ class Client:
         self.server = server.rstrip("/")
         headers = {"User-Agent": f"cpnctl/{cpn.__version__}"}
         token = (token or "").strip()  # a token pasted with its line break still works
-        if token and not all("!" <= c <= "~" for c in token):
-            raise ApiError(0, "bad_token", "the token holds a space, line break or other character a token never "
-                           "has: pass only the token that `cpn token create` printed (cpn_...)", field="token")
         if token:
+            if not all("!" <= c <= "~" for c in token):
+                raise ApiError(0, "bad_token", "the token holds a space, line break or other character a token "
+                               "never has: pass only the token that `cpn token create` printed (cpn_...)", field="token")
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
 

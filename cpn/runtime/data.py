@@ -86,16 +86,17 @@ class ShardSampler:
 
     def __init__(self, train: np.ndarray, *, shard: int, num_shards: int, seq_len: int, seed: int,
                  sampling: Sampling = "shard"):
-        self.train, self.num_shards, self.sampling = train, num_shards, sampling
+        self.train, self.sampling = train, sampling
+        self.shard_bytes = len(train) // num_shards  # one contiguous shard's length (``sampling="shard"``)
         start = self._offset(shard)
-        self.data = train if sampling == "whole" else train[start : start + len(train) // num_shards]
+        self.data = train if sampling == "whole" else train[start : start + self.shard_bytes]
         if len(self.data) <= seq_len + 1:
             raise ValueError(f"shard of {len(self.data)} bytes is too small for seq_len {seq_len}: use fewer workers")
         self.seq_len, self.seed, self.shard = seq_len, seed, shard
 
     def _offset(self, shard: int) -> int:
         """Where ``shard``'s data begins in the training split (0 for ``sampling="whole"``)."""
-        return 0 if self.sampling == "whole" else shard * (len(self.train) // self.num_shards)
+        return 0 if self.sampling == "whole" else shard * self.shard_bytes
 
     def _starts(self, shard: int, step: int, count: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, shard, step])
