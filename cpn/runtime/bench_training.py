@@ -163,7 +163,7 @@ def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[
             "comm_fraction": s["comm_fraction"], "initial_val_loss": s["initial_val_loss"],
             "live_sites": s["live_sites"], "resolved": s["resolved"],
             "gpu_seconds": s.get("gpu_seconds"), "intra_bytes": s.get("intra_bytes"),
-            **{k: s[k] for k in ("ps_dropped", "ps_failovers", "ps_staleness_mean") if k in s},
+            **{k: s[k] for k in ("shares", "ps_dropped", "ps_failovers", "ps_staleness_mean") if k in s},
         }
         for s in summaries
     ]

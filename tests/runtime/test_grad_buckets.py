@@ -8,7 +8,8 @@ import torch
 
 from cpn.runtime.config import StrategyConfig, TrainConfig
 from cpn.runtime.model import build_model
-from cpn.runtime.strategies.hierarchical import GradBuckets, bucket_bytes_for
+from cpn.runtime.collectives import DEFAULT_BUCKET_BYTES
+from cpn.runtime.strategies.hierarchical import FIRST_BUCKET_BYTES, GradBuckets
 from cpn.runtime.topology import Topology
 from cpn.runtime.train import FINAL_MODEL, run_local
 
@@ -19,7 +20,8 @@ def test_buckets_start_while_backward_is_still_running() -> None:
     seen: list[int] = []
     first.register_post_accumulate_grad_hook(lambda p: seen.append(buckets.next))  # runs before the buckets' hook
     reduced: list[tuple[int, int]] = []
-    buckets = GradBuckets(model, bucket_bytes_for(model), lambda k, params: reduced.append((k, len(params))))
+    quarter = sum(p.numel() * p.element_size() for p in model.parameters()) // 4
+    buckets = GradBuckets(model, quarter, lambda k, params: reduced.append((k, len(params))))
     assert len(buckets.buckets) >= 3
     assert sorted(id(p) for b in buckets.buckets for p in b) == sorted(id(p) for p in model.parameters())
     x = torch.randint(0, 256, (2, 32))
@@ -30,6 +32,20 @@ def test_buckets_start_while_backward_is_still_running() -> None:
     buckets.wait()  # a step without backward (a rank with no tokens) still reduces every bucket, in order
     assert [k for k, _ in reduced] == list(range(len(buckets.buckets))) * 2
     buckets.close()
+
+
+def test_buckets_follow_torch_ddps_caps() -> None:
+    """One bucket for a model under 1 MiB (each collective's fixed cost is paid once a step); a larger
+    model's first bucket holds at most 1 MiB, so its all-reduce starts early in backward."""
+    def sizes(model: torch.nn.Module) -> list[int]:
+        buckets = GradBuckets(model, DEFAULT_BUCKET_BYTES, lambda k, params: None, first_bucket_bytes=FIRST_BUCKET_BYTES)
+        buckets.close()
+        return [sum(p.numel() * p.element_size() for p in b) for b in buckets.buckets]
+
+    assert FIRST_BUCKET_BYTES == 2**20 and len(sizes(build_model("tiny", seed=0))) == 1
+    layers = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(8)))  # 8 x 1.0 MiB
+    big = sizes(layers)
+    assert len(big) == 2 and big[0] <= FIRST_BUCKET_BYTES < big[1] <= DEFAULT_BUCKET_BYTES, big
 
 
 def hierarchical(hooks: bool) -> TrainConfig:

@@ -189,6 +189,8 @@ def test_balanced_shares_follow_measured_speed(tmp_path: Path) -> None:
               for r in range(3)]
     assert tokens[2] < min(tokens[0], tokens[1]), tokens
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
+    shares = summary["shares"]  # the last split, in the summary (cpn train and the bench print it)
+    assert sum(shares) == cfg.global_sequences and shares[2] < min(shares[:2]), shares
 
 
 def test_balanced_shares_learn_from_ddps_windows(tmp_path: Path) -> None:
@@ -221,6 +223,20 @@ def test_balance_windows_split_early_then_keep_following_the_speeds() -> None:
     assert balance_window(last + BALANCE_EVERY) == (last, last + BALANCE_EVERY)
     assert balance_window(last + 3 * BALANCE_EVERY) == (last + 2 * BALANCE_EVERY, last + 3 * BALANCE_EVERY)
     assert balance_window(last + 1) == (None, None)
+
+
+def test_speeds_within_the_noise_of_each_other_take_one_class() -> None:
+    """Two equal sites measured 20 % apart take equal shares (not 15 and 13 of 32, which made every step
+    wait for the larger); a site 3x slower stays apart; a chain of small steps splits where it leaves the
+    threshold of its class's slowest."""
+    from cpn.runtime.strategies.base import BALANCE_THRESHOLD, proportional_shares, speed_classes
+
+    assert speed_classes([348.0, 291.0, 88.0]) == [319.5, 319.5, 88.0]
+    assert proportional_shares(32, speed_classes([348.0, 291.0, 88.0])) == [14, 14, 4]
+    assert proportional_shares(32, [348.0, 291.0, 88.0]) == [15, 13, 4]  # what the raw speeds gave
+    assert speed_classes([1.0, 1.2, 1.44], threshold=BALANCE_THRESHOLD) == [1.1, 1.1, 1.44]
+    assert speed_classes([5.0, 1.0, 1.1, 4.5]) == [4.75, 1.05, 1.05, 4.75]
+    assert speed_classes([2.0]) == [2.0]
 
 
 def test_proportional_shares_sum_to_the_batch_and_leave_nobody_empty() -> None:

@@ -238,7 +238,7 @@ def proportional_shares(total: int, speeds: list[float]) -> list[int]:
 # steps after which the balanced strategies re-measure every rank's speed and re-split the batch: a
 # quick first split, a longer second one, then every BALANCE_EVERY steps over the steps since the last
 # split, so the shares follow speeds that drift (a shared machine, thermal limits, a site's other jobs)
-BALANCE_WINDOWS = ((1, 5), (5, 25))
+BALANCE_WINDOWS = ((1, 5), (5, 12), (12, 25))
 BALANCE_EVERY = 25
 
 
@@ -254,6 +254,24 @@ def balance_window(step: int) -> tuple[int | None, int | None]:
             ends[step] = step - BALANCE_EVERY
     return ends.get(step), step if step in starts else None
 BALANCE_THRESHOLD = 1.25  # speeds closer than this are taken as equal (the measurement's noise on shared CPUs)
+
+
+def speed_classes(speeds: list[float], threshold: float = BALANCE_THRESHOLD) -> list[float]:
+    """``speeds`` with each rank's replaced by the mean of its class: ranks sorted by speed, a class
+    runs while a speed is within ``threshold`` of the class's slowest. Two equal sites measured 10 %
+    apart (the noise of one window on a shared CPU) then take equal shares instead of 15 and 13 of 32
+    sequences, which made every step wait for the one that drew the larger."""
+    order = sorted(range(len(speeds)), key=lambda r: speeds[r])
+    out = list(speeds)
+    start = 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or speeds[order[i]] > threshold * speeds[order[start]]:
+            members = order[start:i]
+            mean = sum(speeds[r] for r in members) / len(members)
+            for r in members:
+                out[r] = mean
+            start = i
+    return out
 
 
 # ----------------------------------------------------------------------------- strategy protocol
@@ -374,7 +392,7 @@ class Strategy:
         if max(speeds) <= BALANCE_THRESHOLD * min(speeds):  # equal hardware: noise, not a straggler
             ctx.shares = self.cfg.shares(world)
         else:
-            ctx.shares = proportional_shares(self.cfg.global_sequences, speeds)
+            ctx.shares = proportional_shares(self.cfg.global_sequences, speed_classes(speeds))
         ctx.micro_batch = ctx.shares[ctx.rank]
 
     def publish(self) -> None:
@@ -382,7 +400,10 @@ class Strategy:
         post what :meth:`summary_extras` reads from the other ranks."""
 
     def summary_extras(self) -> dict[str, Any]:
-        """Strategy-specific figures for the run summary (rank 0, after every rank's :meth:`publish`)."""
+        """Strategy-specific figures for the run summary (rank 0, after every rank's :meth:`publish`);
+        under balanced shares, the last split of the global batch (``shares``: sequences per rank)."""
+        if self.balanced and self.cfg.strategy.balance and self.ctx.shares:
+            return {"shares": list(self.ctx.shares)}
         return {}
 
     def live_sites(self) -> list[int]:

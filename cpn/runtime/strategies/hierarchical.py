@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from cpn.runtime.codecs import ErrorFeedback
@@ -38,27 +39,28 @@ from cpn.runtime.strategies.ddp import DDP
 from cpn.runtime.topology import Topology
 
 METRO_KEY = "cpn/hierarchical/metro"  # each rank's metro bytes, for rank 0's summary
-MIN_BUCKET_BYTES = 64 * 2**10  # below this a bucket's fixed costs (WAN round trips) outweigh the overlap
-BUCKETS_PER_MODEL = 4  # small models: about this many buckets, so the first can start well before backward ends
-
-
-def bucket_bytes_for(model: nn.Module) -> int:
-    """DDP's 25 MiB for large models; about :data:`BUCKETS_PER_MODEL` buckets for small ones."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return min(DEFAULT_BUCKET_BYTES, max(MIN_BUCKET_BYTES, total // BUCKETS_PER_MODEL))
+# torch DDP's bucket caps: the first bucket (the last layers' gradients, ready first) up to 1 MiB, the
+# others up to 25 MiB (collectives.DEFAULT_BUCKET_BYTES). Every collective has a fixed cost beside its
+# bytes (a gloo all-reduce among 3 processes here: 2.4 ms and 1.2 ms of CPU per rank, whatever the size
+# up to 0.5 MB), so a small model goes in one bucket: `tiny` (0.5 MB) cut in four paid that four times a
+# step (docs/benchmarks/training-notes.md, "one bucket").
+FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES  # noqa: SLF001 - torch DDP's own constant
 
 
 class GradBuckets:
     """Parameters in buckets whose gradients are reduced by ``reduce(k, params)`` as soon as backward
-    has produced all of bucket k's (and every earlier bucket started)."""
+    has produced all of bucket k's (and every earlier bucket started). The first bucket holds at most
+    ``first_bucket_bytes`` (default: ``bucket_bytes``), the others ``bucket_bytes``."""
 
-    def __init__(self, model: nn.Module, bucket_bytes: int, reduce: Callable[[int, list[nn.Parameter]], Any]):
+    def __init__(self, model: nn.Module, bucket_bytes: int, reduce: Callable[[int, list[nn.Parameter]], Any],
+                 first_bucket_bytes: int | None = None):
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         size = 0
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
-            if not self.buckets or (size + nbytes > bucket_bytes and self.buckets[-1]):
+            cap = bucket_bytes if len(self.buckets) != 1 or first_bucket_bytes is None else first_bucket_bytes
+            if not self.buckets or (size + nbytes > cap and self.buckets[-1]):
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(p)
@@ -129,8 +131,8 @@ class Hierarchical(DDP):
         self.collective, self._wire = allreduce_of(ctx.groups.topology, self._compression)
         self.metro_bytes = 0
         self.ef = ErrorFeedback() if self._compression == "int8" else None
-        self.grad_buckets = GradBuckets(self.model, bucket_bytes_for(self.model), self._reduce_bucket) \
-            if ctx.cfg.strategy.grad_hooks else None
+        self.grad_buckets = GradBuckets(self.model, DEFAULT_BUCKET_BYTES, self._reduce_bucket,
+                                        first_bucket_bytes=FIRST_BUCKET_BYTES) if ctx.cfg.strategy.grad_hooks else None
 
     @property
     def compression(self) -> str | None:
@@ -171,7 +173,7 @@ class Hierarchical(DDP):
         """Which all-reduce ran, and what every rank sent on metro links (of the summary's wan_bytes)."""
         ranks = range(self.ctx.groups.world_size)
         metro = sum(int(self.ctx.store.get(f"{METRO_KEY}/{r}")) for r in ranks)
-        return {"allreduce": self.collective, "wan_metro_bytes": metro}
+        return {**super().summary_extras(), "allreduce": self.collective, "wan_metro_bytes": metro}
 
 
 def grads_of_params(params: list[nn.Parameter]) -> list[torch.Tensor]:
