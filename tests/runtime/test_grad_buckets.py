@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
+from cpn.runtime.collectives import DEFAULT_BUCKET_BYTES
 from cpn.runtime.config import StrategyConfig, TrainConfig
 from cpn.runtime.model import build_model
-from cpn.runtime.collectives import DEFAULT_BUCKET_BYTES
 from cpn.runtime.strategies.hierarchical import FIRST_BUCKET_BYTES, GradBuckets
 from cpn.runtime.topology import Topology
 from cpn.runtime.train import FINAL_MODEL, run_local
