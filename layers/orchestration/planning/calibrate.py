@@ -3,11 +3,13 @@
     python -m layers.orchestration.planning.calibrate docs/benchmarks/training-wan.json
 
 Reads a training benchmark's JSON, predicts each strategy's run with :func:`perf.predict` on the
-same placement (local CPU slots, the same WAN rate) and writes docs/benchmarks/calibration.md.
+same placement (local CPU slots, the same WAN rate) and writes docs/benchmarks/calibration.md: name
+every scenario to keep (the file is rewritten from the ones given; its hand-written part stays).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import replace
@@ -95,5 +97,17 @@ def main(paths: list[str]) -> None:
     print("\n".join(out))
 
 
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m layers.orchestration.planning.calibrate",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("benches", nargs="+", metavar="BENCH.json", help="`cpn bench training` JSON files, every one to keep")
+    args = parser.parse_args(argv)
+    missing = [p for p in args.benches if not Path(p).is_file()]
+    if missing:
+        parser.error(f"no such benchmark file: {', '.join(missing)}")
+    main(args.benches)
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(cli(sys.argv[1:]))
