@@ -55,11 +55,12 @@ class GradBuckets:
     def __init__(self, model: nn.Module, bucket_bytes: int, reduce: Callable[[int, list[nn.Parameter]], Any],
                  first_bucket_bytes: int | None = None):
         params = [p for p in model.parameters() if p.requires_grad]
+        first = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
         self.buckets: list[list[nn.Parameter]] = []
         size = 0
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
-            cap = bucket_bytes if len(self.buckets) != 1 or first_bucket_bytes is None else first_bucket_bytes
+            cap = first if len(self.buckets) == 1 else bucket_bytes
             if not self.buckets or (size + nbytes > cap and self.buckets[-1]):
                 self.buckets.append([])
                 size = 0
