@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import faulthandler
 import importlib
 import os
 import pickle
@@ -44,6 +45,8 @@ ENV_SPEC = "CPN_LAUNCH_SPEC"
 ENV_PORT_RANGE = "CPN_AGENT_PORT_RANGE"  # LO-HI: the agent's --port-range, read by its work loop and drivers
 ENV_RESULT = "CPN_LAUNCH_RESULT"
 _PR_SET_PDEATHSIG = 1
+STACKS_SIGNAL = signal.SIGUSR1  # a worker writes every thread's stack to its log on it (faulthandler)
+STACKS_SETTLE = 1.0  # seconds a hung worker gets to write its stacks before it is stopped
 
 
 class LaunchError(RuntimeError):
@@ -259,9 +262,13 @@ def _popen(argv: list[str], env: dict[str, str], log_path: Path | None) -> subpr
 
 
 def _kill(workers: list[_Worker], why: str | None, grace: float = 3.0) -> None:
-    for w in workers:
+    live = [w for w in workers if w.proc.poll() is None]
+    for w in live:
+        w.stopped = why or "launcher"
+    if why == "timeout":
+        _dump_stacks(live)
+    for w in live:
         if w.proc.poll() is None:
-            w.stopped = why or "launcher"
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -272,6 +279,14 @@ def _kill(workers: list[_Worker], why: str | None, grace: float = 3.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, signal.SIGKILL)
             w.proc.wait()
+
+
+def _dump_stacks(workers: list[_Worker]) -> None:
+    """Ask each hung worker for its threads' stacks (written to its log): where it waited, for the report."""
+    for w in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.proc.pid, STACKS_SIGNAL)
+    time.sleep(STACKS_SETTLE)
 
 
 def _wait(workers: list[_Worker], timeout: float, failure_grace: float) -> str | None:
@@ -397,6 +412,7 @@ def _resolve(ref: str) -> Callable[..., Any]:
 
 
 def _worker_main() -> int:
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the launcher's timeout asks where this hangs
     spec = pickle.loads(Path(os.environ[ENV_SPEC]).read_bytes())
     fn = _resolve(spec["entry"])
     args = spec["args"]

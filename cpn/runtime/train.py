@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -68,6 +70,25 @@ def preflight(config: TrainConfig, topology: Topology, *, builtin_model: bool = 
                          f"{config.seq_len}: raise corpus_bytes or use fewer workers")
 
 
+_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_LIBRARY = tuple({sysconfig.get_path("stdlib"), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+
+
+def hung_at(log: str) -> str | None:
+    """Where a worker stopped at the timeout waited: the innermost frame outside the standard library and
+    installed packages (torch) of the thread that wrote the stacks (the main one), from the dump the
+    launcher asks for; None without a dump."""
+    head = max(log.rfind("Current thread 0x"), log.rfind("Stack (most recent call first)"))
+    if head < 0:
+        return None
+    frames = [m for m in map(_FRAME.match, log[head:].splitlines()[1:]) if m]
+    if not frames:
+        return None
+    own = [m for m in frames if not m["path"].startswith(_LIBRARY) or "/cpn/" in m["path"]]
+    m = (own or frames)[0]
+    return f"{m['func']} ({Path(m['path']).name}:{m['line']})"
+
+
 def failure_lines(results: list, planned: set[int], timeout: float | None = None) -> list[str]:
     """Each failing rank's last error line (the exception, not the traceback around it); a rank the
     launcher stopped says so (the timeout, or another rank's failure), not an exit code of its own."""
@@ -78,7 +99,9 @@ def failure_lines(results: list, planned: set[int], timeout: float | None = None
         stopped = getattr(r, "stopped", None)
         if stopped == "timeout":
             within = f" within {timeout:.0f} s" if timeout else ""
-            lines.append(f"rank {r.rank} (site {r.site}) had not finished{within}: stopped (raise the timeout)")
+            where = hung_at(r.log)
+            at = f"; it was in {where} (every thread's stack is in its log)" if where else ""
+            lines.append(f"rank {r.rank} (site {r.site}) had not finished{within}: stopped (raise the timeout){at}")
             continue
         if stopped == "failure":
             lines.append(f"rank {r.rank} (site {r.site}) was stopped after another rank failed")

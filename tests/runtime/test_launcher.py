@@ -46,5 +46,25 @@ def test_a_worker_stopped_at_the_timeout_is_named_as_such_not_as_a_silent_exit()
     by_rank = {r.rank: r for r in results}
     assert by_rank[0].ok and by_rank[0].stopped is None
     assert by_rank[1].stopped == "timeout" and not by_rank[1].ok
-    assert failure_lines(results, set(), timeout=2) == [
-        "rank 1 (site 0) had not finished within 2 s: stopped (raise the timeout)"]
+    [line] = failure_lines(results, set(), timeout=2)
+    assert line.startswith("rank 1 (site 0) had not finished within 2 s: stopped (raise the timeout)"), line
+    # where it hung, from the stacks the launcher asked it for before stopping it
+    assert "it was in _sleep_on_rank_1 (test_launcher.py:" in line, line
+    assert "Current thread 0x" in by_rank[1].log and "_sleep_on_rank_1" in by_rank[1].log
+    assert "Current thread" not in by_rank[0].log  # a rank that finished is not asked
+
+
+def test_where_a_hung_worker_waited_skips_the_standard_library_frames() -> None:
+    import threading
+
+    from cpn.runtime.train import hung_at
+
+    lock = threading.__file__
+    log = ("step 14\nThread 0x00007f01 (most recent call first):\n"
+           f'  File "{lock}", line 359 in wait\n  File "/srv/cpn/runtime/strategies/async_ps.py", line 220 in serve\n'
+           "\nCurrent thread 0x00007f00 (most recent call first):\n"
+           f'  File "{lock}", line 655 in wait\n'
+           '  File "/srv/cpn/runtime/strategies/sync_ps.py", line 172 in handle\n'
+           '  File "/srv/cpn/runtime/train.py", line 30 in main\n')
+    assert hung_at(log) == "handle (sync_ps.py:172)"
+    assert hung_at('Traceback (most recent call last):\n  File "x.py", line 1, in f\n') is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -109,3 +110,43 @@ def test_replicas_do_not_change_what_ps_sync_computes(tmp_path: Path) -> None:
     a, b = final_params(tmp_path / "plain"), final_params(tmp_path / "replicated")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["async_ps", "ps_sync"])
+def test_a_secondary_that_never_serves_refuses_after_the_wan_timeout(kind: str) -> None:
+    """A worker whose own link to a live primary broke reaches the secondary, which never takes over: the
+    call is refused after ``wan_timeout_seconds`` (the worker moves on), not left waiting for ever."""
+    from cpn.runtime.strategies.async_ps import NOT_SERVING, OP_PULL
+    from cpn.runtime.strategies.sync_ps import RoundServer
+
+    cfg = tiny(kind, wan_timeout_seconds=0.2)
+    ctx = SimpleNamespace(cfg=cfg)
+    server = (Server(ctx, 0, torch.ones(8), 2, index=1) if kind == "async_ps"  # type: ignore[arg-type]
+              else RoundServer(ctx, 0, torch.ones(8), 2, index=1, backups=0))  # type: ignore[arg-type]
+    started = time.monotonic()
+    reply = server.handle(1, torch.zeros(8), 0.0, OP_PULL, 0)
+    assert 0.15 < time.monotonic() - started < 5
+    assert reply[-1].item() == NOT_SERVING and reply.numel() == 9
+    server.serving.set()  # promoted: the same call is answered with the shard
+    reply = server.handle(1, torch.zeros(8), 0.0, OP_PULL, 0)
+    assert reply[-1].item() == 0 and torch.equal(reply[:-1], torch.ones(8))
+
+
+def test_a_refused_call_moves_to_the_next_replica_and_the_last_refusal_names_the_shard() -> None:
+    from concurrent.futures import Future
+
+    from cpn.runtime.strategies.async_ps import NOT_SERVING, AsyncPS
+
+    def answered(version: float) -> Future:
+        f: Future = Future()
+        f.set_result(torch.tensor([3.0, 4.0, version]))
+        return f
+
+    worker = AsyncPS.__new__(AsyncPS)
+    worker.route, worker.replicas, worker.tags = [0], [[1, 2]], {0: 0}
+    worker._start = lambda k, grad, op: answered(7.0)  # type: ignore[method-assign]
+    params = worker._finish(0, torch.zeros(2), 0.0, answered(NOT_SERVING))
+    assert worker.route == [1] and worker.tags[0] == 7 and params.tolist() == [3.0, 4.0]
+    worker._start = lambda k, grad, op: answered(NOT_SERVING)  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match=r"every replica of parameter shard 0 is lost or does not serve"):
+        worker._finish(0, torch.zeros(2), 0.0, answered(NOT_SERVING))

@@ -58,6 +58,7 @@ from cpn.runtime.topology import Topology
 
 OP_PUSH, OP_PULL, OP_LEAVE = 0.0, 1.0, 2.0
 STALENESS = "cpn/ps/staleness"
+NOT_SERVING = -1.0  # the version a replica that does not serve replies (versions count up from 0)
 
 
 def primary_ranks(topology: Topology, count: int) -> list[int]:
@@ -170,9 +171,20 @@ class Server:
         with self.lock:
             return self.param.detach().clone(), self.version
 
+    def awaits_service(self) -> bool:
+        """Wait (at most ``wan_timeout_seconds``) until this replica serves; False if it never did. A
+        secondary whose primary is alive never serves: a worker that reached it only because its own
+        link to the primary broke must hear so, not wait for ever."""
+        return self.serving.wait(timeout=self.ctx.cfg.strategy.wan_timeout_seconds)
+
+    def refusal(self) -> torch.Tensor:
+        """The reply of a replica that does not serve: ``[zeros..., NOT_SERVING]`` (the caller moves on)."""
+        return torch.cat([torch.zeros_like(self.param.detach()), torch.tensor([NOT_SERVING], device=HOST)])
+
     def handle(self, worker: int, grad: torch.Tensor, progress: float, op: float, tag: int) -> torch.Tensor:
         """One call, as the reply ``[parameters..., version]``; a secondary answers once it serves."""
-        self.serving.wait()
+        if not self.awaits_service():
+            return self.refusal()
         params, version = self.apply(grad, progress, tag) if op == OP_PUSH else self.snapshot()
         return torch.cat([params, torch.tensor([float(version)], device=HOST)])
 
@@ -330,27 +342,33 @@ class AsyncPS(Strategy):
         return self.tags[k]
 
     def _finish(self, k: int, grad: torch.Tensor, op: float, call: Any) -> torch.Tensor:
+        """Shard k's reply; a replica that died before answering, or does not serve, passes the call on."""
         while True:
-            if isinstance(call, Future):
-                reply = call.result()
+            reply = self._reply(call)
+            if reply is not None and reply[-1].item() != NOT_SERVING:
                 break
-            if call is not None:
-                out, work = call
-                try:
-                    work.wait()
-                    reply = out
-                    break
-                except Exception:  # noqa: BLE001 - the replica died before answering
-                    pass
             self._fail_over(k)
             call = self._start(k, grad, op)
         self.tags[k] = int(reply[-1].item())
         return reply[:-1]
 
+    @staticmethod
+    def _reply(call: Any) -> torch.Tensor | None:
+        if isinstance(call, Future):
+            return call.result()
+        if call is None:
+            return None
+        out, work = call
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - the replica died before answering
+            return None
+        return out
+
     def _fail_over(self, k: int) -> None:
         self.route[k] += 1
         if self.route[k] >= len(self.replicas[k]):
-            raise RuntimeError(f"every replica of parameter shard {k} is lost (ranks {self.replicas[k]}): "
+            raise RuntimeError(f"every replica of parameter shard {k} is lost or does not serve (ranks {self.replicas[k]}): "
                                f"run with more --ps-replicas")
 
     def _count(self, k: int, msg: torch.Tensor) -> None:

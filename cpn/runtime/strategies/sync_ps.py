@@ -169,7 +169,8 @@ class RoundServer(Server):
             self._shrink()
 
     def handle(self, worker: int, grad: torch.Tensor, progress: float, op: float, tag: int) -> torch.Tensor:
-        self.serving.wait()
+        if not self.awaits_service():
+            return self.refusal()
         if op == OP_PUSH:
             params, now = self.push(worker, grad, progress, tag)
         else:
