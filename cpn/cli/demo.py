@@ -3,7 +3,8 @@
 Starts an embedded API server on SQLite, registers three local sites of two providers with
 different prices and WAN links, starts a site agent per cluster (each in its own network namespace
 behind the emulated WAN when root), submits a TrainingJob with
-strategy `auto` on 1–3 sites (so the three quotes differ), shows the quotes, accepts `balanced`, runs it with a live progress bar and prints
+strategy `auto` on 1–3 sites (so the three quotes differ) that profiles its own first steps (so the
+quotes rest on this machine's measured speed), shows the quotes, accepts `balanced`, runs it with a live progress bar and prints
 the summary: validation loss start → end, wall time, WAN traffic and cost per provider.
 """
 
@@ -63,7 +64,10 @@ def job_manifest(tokens: int, model: str) -> dict[str, Any]:
                      # a user in a hurry (time 4:1 over cost): at the demo's prices and CPU slots an even
                      # weighting makes `balanced` the one-site `cheapest`, so the demo would show no choice
                      # and no cross-site training; this weighting puts a two-site plan between the extremes
-                     "objective": {"cost": 0.2, "time": 0.8}}}
+                     "objective": {"cost": 0.2, "time": 0.8},
+                     # priced from its own timed steps (docs/byo.md): a machine's speed varies 1.6x from one
+                     # day to the next here, which the modelled CPU slot cannot know
+                     "profile": True}}
 
 
 def _token(env: dict[str, str], name: str, role: str) -> str:
@@ -104,7 +108,7 @@ def _wait(client: Client, name: str, started: float) -> dict[str, Any]:
         prog = st.get("progress") or {}
         pct = float(prog.get("percent") or 0)
         line = (f"{st['phase']:<10} {_bar(pct)} {pct:5.1f}%  loss {prog.get('loss') or '-':<7} "
-                f"sites {st.get('sites', '-')}  cost {((st.get('cost') or {}).get('total') or '0.00')} USD  "
+                f"sites {st.get('sites') or '-'}  cost {((st.get('cost') or {}).get('total') or '0.00')} USD  "
                 f"{time.time() - started:5.0f}s")
         marker = f"{st['phase']} {int(pct // 10)}"
         if tty:
@@ -156,7 +160,9 @@ def _quoted_vs_measured(quote: dict[str, Any], wall: float, wan_gb: float, cost:
     def ratio(measured: float, predicted: float) -> str:
         return f"{measured / predicted:.2f}×" if predicted else "–"
 
-    price = float(quote["price"]["total"])
+    # the quote's lines, exact to 6 places like the invoice's (its total is rounded to the cent)
+    price = float(sum((Decimal(x["amount"]) for x in quote["price"]["lines"]), Decimal(0))
+                  or Decimal(quote["price"]["total"]))
     click.echo("  quoted → measured")
     click.echo(f"    time            {quote['predictedSeconds']:.0f} s → {wall:.0f} s ({ratio(wall, quote['predictedSeconds'])})")
     click.echo(f"    WAN             {quote['wanGB']:.4f} GB → {wan_gb:.4f} GB ({ratio(wan_gb, quote['wanGB'])})")
@@ -247,10 +253,31 @@ def _wait_ready(client: Client, count: int, timeout: float = 60.0) -> None:
     raise click.ClickException(f"the site agents did not report in {timeout:.0f} s; see their logs")
 
 
+def _wait_quoted(client: Client, name: str) -> None:
+    """spec.profile: the job times a few of its own steps on one site before it is quoted."""
+    started, said = time.monotonic(), False
+    while True:
+        status = client.get(f"/api/v1/jobs/{name}")["status"]
+        if status["phase"] != "Profiling":
+            break
+        if not said:
+            click.echo("● profiling: the job times its own first steps on one site, so the quotes rest on this "
+                       "machine's measured speed, not only on the model")
+            said = True
+        time.sleep(0.5)
+    if status["phase"] != "Quoted":
+        raise click.ClickException(f"the demo job ended {status['phase']} before its quotes: {status.get('message')}")
+    profile = status.get("profile") or {}
+    if profile.get("measuredStepSeconds"):
+        click.echo(f"● profiled in {time.monotonic() - started:.0f} s: {profile['measuredStepSeconds']:.3f} s per step "
+                   f"on {profile.get('site', 'one site')}")
+
+
 def _run_job(client: Client, tokens: int, model: str) -> None:
     job = client.post("/api/v1/jobs", json=job_manifest(tokens, model))
     name = job["metadata"]["name"]
     click.echo(f"● submitted trainingjob/{name}: {job['status']['phase']}")
+    _wait_quoted(client, name)
     quotes = client.get(f"/api/v1/jobs/{name}/quotes")
     kinds = {k["kind"]: k for k in client.get("/api/v1/kinds")["items"]}
     click.echo(output.table(quotes["items"], kinds["Quote"]["columns"]))

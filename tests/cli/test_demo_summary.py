@@ -26,3 +26,43 @@ def test_the_providers_costs_add_up_to_the_total(capsys) -> None:  # type: ignor
     out = capsys.readouterr().out
     assert "cost alpha-cloud  0.01 USD" in out and "cost beta-dc      0.00 USD" in out, out  # each alone: 0.00 + 0.00
     assert "cost total        0.01 USD" in out, out
+
+
+class QuotedClient(FakeClient):
+    def get(self, path: str, **params: Any) -> dict[str, Any]:
+        if path.endswith("/quotes"):
+            lines = [{"provider": "alpha-cloud", "amount": "0.008000"}, {"provider": "beta-dc", "amount": "0.006000"}]
+            return {"items": [{"predictedSeconds": 48.0, "wanGB": 0.0094, "price": {"total": "0.01", "lines": lines}}]}
+        return super().get(path, **params)
+
+
+def test_the_quote_is_compared_at_its_exact_price_not_the_cent_it_shows(capsys) -> None:  # type: ignore[no-untyped-def]
+    """The quote's total is rounded to the cent (0.014 shows 0.01); the measured cost is the invoice's lines
+    before rounding, so the quoted side is its lines too: 0.0140 → 0.0085, not 0.0100 → 0.0085."""
+    job = {"metadata": {"name": "demo-lm"}, "status": {"phase": "Succeeded", "placement": [], "strategy": "diloco"}}
+    demo._summary(QuotedClient(), job, wall=60.0)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "time            48 s → 60 s (1.25×)" in out, out
+    assert "cost            0.0140 → 0.0085 USD (0.61×, before rounding)" in out, out
+
+
+class ProfilingClient:
+    def __init__(self, phases: list[str]) -> None:
+        self.phases = phases
+
+    def get(self, path: str, **params: Any) -> dict[str, Any]:
+        phase = self.phases.pop(0) if len(self.phases) > 1 else self.phases[0]
+        profile = {"measuredStepSeconds": 0.0847, "site": "nyc-1"} if phase == "Quoted" else None
+        return {"status": {"phase": phase, "profile": profile, "message": "no agent claimed the profile"}}
+
+
+def test_the_demo_waits_out_its_profile_and_says_what_it_measured(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import click
+    import pytest
+
+    monkeypatch.setattr(demo.time, "sleep", lambda s: None)
+    demo._wait_quoted(ProfilingClient(["Profiling", "Profiling", "Quoted"]), "demo-lm")  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "● profiling:" in out and "0.085 s per step on nyc-1" in out, out
+    with pytest.raises(click.ClickException, match="ended Failed before its quotes: no agent claimed the profile"):
+        demo._wait_quoted(ProfilingClient(["Profiling", "Failed"]), "demo-lm")  # type: ignore[arg-type]
