@@ -57,9 +57,17 @@ def world(provider: str) -> list[dict[str, Any]]:
     return docs
 
 
+DEMO_BATCH_TOKENS = 3 * 128 * 8  # a step of 24 sequences: 8, 12 or 24 per slot on 3, 2 or 1 slots
+PROFILE_WORTH = 10  # profile a job of at least this many times the profile's steps (a shorter one just runs)
+
+
 def job_manifest(tokens: int, model: str) -> dict[str, Any]:
+    # imported here: at module level the server's layers would add 3 s to every `cpn --help`
+    from layers.orchestration.jobs.profile import PROFILE_STEPS
+
+    profile = tokens // DEMO_BATCH_TOKENS >= PROFILE_WORTH * PROFILE_STEPS
     return {"apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": {"name": "demo-lm"},
-            "spec": {"model": model, "dataset": "pystdlib", "tokens": tokens, "globalBatchTokens": 3 * 128 * 8,
+            "spec": {"model": model, "dataset": "pystdlib", "tokens": tokens, "globalBatchTokens": DEMO_BATCH_TOKENS,
                      "strategy": "auto", "gpus": {"min": 1, "max": 3}, "sites": {"min": 1, "max": 3},
                      # a user in a hurry (time 4:1 over cost): at the demo's prices and CPU slots an even
                      # weighting makes `balanced` the one-site `cheapest`, so the demo would show no choice
@@ -67,7 +75,7 @@ def job_manifest(tokens: int, model: str) -> dict[str, Any]:
                      "objective": {"cost": 0.2, "time": 0.8},
                      # priced from its own timed steps (docs/byo.md): a machine's speed varies 1.6x from one
                      # day to the next here, which the modelled CPU slot cannot know
-                     "profile": True}}
+                     "profile": profile}}
 
 
 def _token(env: dict[str, str], name: str, role: str) -> str:

@@ -66,3 +66,8 @@ def test_the_demo_waits_out_its_profile_and_says_what_it_measured(capsys, monkey
     assert "● profiling:" in out and "0.085 s per step on nyc-1" in out, out
     with pytest.raises(click.ClickException, match="ended Failed before its quotes: no agent claimed the profile"):
         demo._wait_quoted(ProfilingClient(["Profiling", "Failed"]), "demo-lm")  # type: ignore[arg-type]
+
+
+def test_the_demo_profiles_a_job_long_enough_to_be_worth_it() -> None:
+    assert demo.job_manifest(3_000_000, "tiny")["spec"]["profile"] is True  # 976 steps: priced from its own
+    assert demo.job_manifest(20_000, "tiny")["spec"]["profile"] is False  # 6 steps: the profile would be the run
