@@ -152,7 +152,7 @@ def _summary(client: Client, job: dict[str, Any], wall: float) -> None:
         click.echo(f"  validation loss   {vals[0]:.3f} → {vals[-1]:.3f}  ({len(vals)} evaluations)")
     click.echo(f"  wall time         {wall:.0f} s (predicted {job['status'].get('predictedSeconds', 0):.0f} s)")
     sites = sorted({p["site"] for p in job["status"].get("placement", [])})
-    click.echo(f"  strategy          {job['status'].get('strategy')} over {len(sites)} sites ({', '.join(sites)})")
+    click.echo(f"  strategy          {job['status'].get('strategy')} over {len(sites)} site{'s' if len(sites) != 1 else ''} ({', '.join(sites)})")
     click.echo(f"  WAN traffic       {wan / 1e9:.4f} GB")
     for provider, amount in sorted(per_provider.items()):
         click.echo(f"  cost {provider:<12} {amount:.2f} USD")
