@@ -12,6 +12,7 @@ from cpn.core import errors
 from cpn.core.manifest import ManifestSyntaxError, load_yaml
 
 M = TypeVar("M", bound=BaseModel)
+MAX_DEPTH = 32  # levels of lists and objects a body may nest (a manifest uses about 6)
 
 
 async def read_raw(request: web.Request) -> Any:
@@ -33,12 +34,32 @@ async def read_raw(request: web.Request) -> Any:
             body = json.loads(text)
         except json.JSONDecodeError as exc:
             raise errors.MalformedBody(f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+        except ValueError as exc:  # an integer of more than 4300 digits (Python's limit on int(str))
+            raise errors.MalformedBody(f"malformed JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise errors.MalformedBody(f"malformed JSON: nested deeper than {MAX_DEPTH} levels") from exc
+    if _deeper_than(body, MAX_DEPTH):
+        raise errors.MalformedBody(f"the body is nested deeper than {MAX_DEPTH} levels; no CPN object is")
     if "\\" in text or "\x00" in text:  # JSON and YAML write a NUL as an escape (\u0000, \0, \x00 …)
         where = _nul_at(body, "")
         if where is not None:
             raise errors.InvalidInput("contains a NUL character (\\u0000), which no CPN field takes",
                                       field=where or "body")
     return body
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than ``limit`` levels (iterative: a deep body cannot recurse here)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _nul_at(value: Any, path: str) -> str | None:

@@ -14,6 +14,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -78,9 +79,24 @@ Labels = Annotated[dict[str, str], AfterValidator(_check_labels), WithJsonSchema
      "additionalProperties": {"type": "string", "maxLength": 63}})]
 
 
+MONEY_PATTERN = r"^[0-9]+(\.[0-9]{1,6})?$"
+MONEY_MAX = Decimal(10) ** 12  # beyond any price or budget; bounds the digits every sum and format handles
+
+
+def _money_text(v: Any) -> Any:
+    """A string amount must read as the published pattern says: digits, an optional point and at most
+    6 decimals -- not ``1e999999999`` (a billion digits once formatted), ``1_000``, `` 1 `` or ``-0``."""
+    if isinstance(v, str) and not re.fullmatch(MONEY_PATTERN, v):
+        raise ValueError('must be a decimal amount such as "12.50": digits, an optional point and at most 6 '
+                         "decimal places (no sign, exponent, spaces or separators)")
+    return v
+
+
 def _check_money(v: Decimal) -> Decimal:
     if not v.is_finite():
         raise ValueError("must be a finite decimal")
+    if abs(v) > MONEY_MAX:
+        raise ValueError(f"must be at most {MONEY_MAX:f}")
     exponent = v.as_tuple().exponent
     if isinstance(exponent, int) and exponent < -6:
         raise ValueError("at most 6 decimal places")
@@ -90,8 +106,7 @@ def _check_money(v: Decimal) -> Decimal:
 
 
 # Money is a decimal on the wire (as a string) and in Python; never a float.
-MONEY_PATTERN = r"^[0-9]+(\.[0-9]{1,6})?$"
-Money = Annotated[Decimal, AfterValidator(_check_money), PlainSerializer(lambda d: format(d, "f"), return_type=str),
+Money = Annotated[Decimal, BeforeValidator(_money_text), AfterValidator(_check_money), PlainSerializer(lambda d: format(d, "f"), return_type=str),
                   WithJsonSchema({"anyOf": [{"type": "string", "pattern": MONEY_PATTERN},
                                             {"type": "integer", "minimum": 0}],
                                   "description": "A decimal amount, at most 6 decimal places (a string, or a "

@@ -15,6 +15,7 @@ from cpn.runtime import presets
 from cpn.runtime.config import PS_STRATEGIES, STRATEGIES, StrategyConfig
 
 Strategy = Literal.__getitem__(("auto", *STRATEGIES))  # the runtime's strategies (one source) and "auto"
+LAYERS_MAX = 1024  # a model's units: far above any transformer's blocks; the planner's stage cuts grow with them
 OBJECTIVE_MAX = 1e6  # weights above overflow the planner's scores (1e308 x a cost is inf, inf x 0 NaN)
 DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -39,7 +40,7 @@ class ModelSpec(CamelModel):
 
     preset: str | None = Field(default=None, json_schema_extra={"enum": [*MODEL_PRESETS, None]})
     parameters: int | None = Field(default=None, gt=0)
-    layers: int | None = Field(default=None, gt=0, description=(
+    layers: int | None = Field(default=None, gt=0, le=LAYERS_MAX, description=(
         "A transformer's blocks; with spec.code and the pipeline strategy, the nn.Sequential's children (the "
         "units it is cut between)"))
     hidden: int | None = Field(default=None, gt=0, description=(
@@ -115,8 +116,8 @@ class PlacementRequest(CamelModel):
 class ObjectiveSpec(CamelModel):
     """Relative weights of cost and time in choosing the balanced quote (only their ratio matters)."""
 
-    cost: float = Field(default=0.5, ge=0, le=OBJECTIVE_MAX)
-    time: float = Field(default=0.5, ge=0, le=OBJECTIVE_MAX)
+    cost: float = Field(default=0.5, ge=0, le=OBJECTIVE_MAX, allow_inf_nan=False)
+    time: float = Field(default=0.5, ge=0, le=OBJECTIVE_MAX, allow_inf_nan=False)
 
 
 class ParallelismSpec(CamelModel):

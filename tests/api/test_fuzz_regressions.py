@@ -84,3 +84,61 @@ async def test_a_whole_float_is_an_integer_in_the_agent_protocol(api) -> None:
     r = await api.client.post("/api/v1/subtasks/0b5a1b5e-0000-4000-8000-000000000000/logs",
                               json={"lines": [{"rank": 6724.0, "line": "x"}]}, headers=api.auth("prov-a"))
     assert r.status == 404, await r.json()  # valid body, unknown sub-task
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1" * 5000, "malformed JSON: Exceeds the limit"),  # int(str) refuses over 4300 digits
+    ("[" * 100_000 + "]" * 100_000, "malformed JSON: nested deeper than 32 levels"),
+    ('{"a":' * 50_000 + "1" + "}" * 50_000, "malformed JSON: nested deeper than 32 levels"),
+    ('{"spec":' * 40 + "1" + "}" * 40, "nested deeper than 32 levels"),  # parsed, then refused before the model
+])
+async def test_bodies_too_deep_or_too_long_a_number_are_400_not_500(api, text: str, says: str) -> None:
+    """An API probe: these were 500s (ValueError from int(), RecursionError from the decoder)."""
+    r = await api.client.post("/api/v1/jobs", data=text, headers={**api.auth("alice"),
+                                                                   "Content-Type": "application/json"})
+    body = await r.json()
+    assert r.status == 400 and body["error"]["code"] == "malformed", body
+    assert says in body["error"]["message"], body
+
+
+@pytest.mark.parametrize("budget, says", [
+    ("1e999999999", "must be a decimal amount"),  # blocked the server 40 s formatting a billion digits, then 500
+    ("1e400", "must be a decimal amount"),
+    ("1_000", "must be a decimal amount"),
+    (" 1 ", "must be a decimal amount"),
+    ("-0", "must be a decimal amount"),
+    (10**15, "must be at most 1000000000000"),
+    ("1" + "0" * 5000, "must be at most 1000000000000"),
+])
+async def test_a_budget_is_digits_and_a_point_within_bounds(api, budget: object, says: str) -> None:
+    from tests.api.test_jobs import job
+
+    r = await api.client.post("/api/v1/jobs", json=job(budget=budget), headers=api.auth("alice"))
+    body = await r.json()
+    assert r.status == 422, body
+    details = body["error"].get("details") or [body["error"]]
+    assert any(d["field"] == "spec.budget" and says in d["message"] for d in details), body
+
+
+async def test_a_huge_layer_count_is_refused_before_the_planner_and_nan_weights_say_finite(api) -> None:
+    """An API probe: spec.model.layers 10000 kept the planner (on the event loop) busy for minutes."""
+    import time
+
+    from tests.api.test_jobs import job, register_world
+
+    await register_world(api)
+    shape = {"parameters": 1_000_000_000, "hidden": 2048, "seqLen": 1024}
+    r = await api.client.post("/api/v1/jobs", json=job("deep", model={**shape, "layers": 10_000}),
+                              headers=api.auth("alice"))
+    body = await r.json()
+    assert r.status == 422 and "less than or equal to 1024" in str(body) and "spec.model.layers" in str(body), body
+    started = time.monotonic()
+    r = await api.client.post("/api/v1/jobs", json=job("widest", model={**shape, "layers": 1024}, gpus={"min": 1, "max": 3}),
+                              headers=api.auth("alice"))
+    assert r.status in (201, 422), await r.text()  # quoted, or refused for memory: either way promptly
+    assert time.monotonic() - started < 20
+    r = await api.client.post("/api/v1/jobs", data='{"apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": '
+                              '{"name": "nan"}, "spec": {"model": "small", "tokens": 1000000, "objective": {"cost": NaN}}}',
+                              headers={**api.auth("alice"), "Content-Type": "application/json"})
+    body = await r.json()
+    assert r.status == 422 and "finite" in str(body) and "spec.objective.cost" in str(body), body
