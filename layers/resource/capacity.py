@@ -13,23 +13,24 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from cpn.core import errors
 from cpn.core.db import as_utc
-from cpn.core.principal import Principal
+from cpn.core.principal import Principal, Role
 from cpn.core.store import RETIRED
 from layers.resource.models import ClusterRow, LinkRow, SiteRow
 from layers.resource.schemas import HeartbeatBatch, HeartbeatRequest
-from layers.resource.stores import is_ready
+from layers.resource.stores import FIRST_HEARTBEAT, READY_CHANGED, is_ready
 
 
 async def heartbeat(session: AsyncSession, principal: Principal, name: str, body: HeartbeatRequest,
-                    now: datetime | None = None) -> ClusterRow:
-    """Record an agent's report; only the cluster's provider (or an admin) may send it."""
+                    timeout: timedelta, now: datetime | None = None) -> ClusterRow:
+    """Record an agent's report; only the cluster's provider (or an admin) may send it. ``timeout``: the
+    heartbeat timeout, to tell when the report changes the cluster's readiness (its transition time)."""
     row = (await session.execute(select(ClusterRow).where(ClusterRow.name == name))).scalar_one_or_none()
-    _record(principal, name, row, body, now or datetime.now(UTC))
+    _record(principal, name, row, body, now or datetime.now(UTC), timeout)
     await session.flush()
     return row  # type: ignore[return-value]
 
 
-async def heartbeats(session: AsyncSession, principal: Principal, batch: HeartbeatBatch,
+async def heartbeats(session: AsyncSession, principal: Principal, batch: HeartbeatBatch, timeout: timedelta,
                      now: datetime | None = None) -> list[ClusterRow]:
     """Record many clusters' reports with one read and one write; any bad item refuses the batch.
 
@@ -43,7 +44,7 @@ async def heartbeats(session: AsyncSession, principal: Principal, batch: Heartbe
     with session.no_autoflush:  # the rows are written below in one statement, not flushed one by one
         for i, item in enumerate(batch.items):
             try:
-                _record(principal, item.cluster, rows.get(item.cluster), item, at)
+                _record(principal, item.cluster, rows.get(item.cluster), item, at, timeout)
             except errors.CPNError as exc:
                 exc.field = f"items[{i}].{exc.field or 'cluster'}"
                 exc.message = f"items[{i}]: {exc.message}"
@@ -72,11 +73,16 @@ async def _write_locked(session: AsyncSession, rows: list[ClusterRow], at: datet
         set_committed_value(r, "updated_at", at)
 
 
-def _record(principal: Principal, name: str, row: ClusterRow | None, body: HeartbeatRequest, now: datetime) -> None:
+def _record(principal: Principal, name: str, row: ClusterRow | None, body: HeartbeatRequest, now: datetime,
+            timeout: timedelta) -> None:
     if row is None:
         raise errors.NotFound(f"Cluster {name!r} not found")
     if not principal.owns(row.owner_id):
+        if principal.role not in (Role.PROVIDER, Role.ADMIN):
+            raise errors.Forbidden(f"heartbeats come from the cluster's provider; this token is a {principal.role.value}'s "
+                                   "(create a provider token: cpn token create NAME --role provider)")
         raise errors.Forbidden(f"cluster {name!r} belongs to another provider")
+    before = is_ready(row, timeout, now)[:2]
     capacity = body.capacity_gpus if body.capacity_gpus is not None else row.capacity_gpus
     if body.allocatable_gpus > capacity:
         raise errors.InvalidInput(f"allocatableGpus {body.allocatable_gpus} exceeds capacity {capacity}",
@@ -89,6 +95,11 @@ def _record(principal: Principal, name: str, row: ClusterRow | None, body: Heart
     row.capacity_gpus = capacity
     row.allocatable_gpus = body.allocatable_gpus
     row.last_heartbeat_at = now
+    status = dict(status)
+    if is_ready(row, timeout, now)[:2] != before or READY_CHANGED not in status:
+        status[READY_CHANGED] = now.isoformat()  # the Ready condition's lastTransitionTime (stores.cluster_status)
+    status.setdefault(FIRST_HEARTBEAT, now.isoformat())
+    row.status = status
 
 
 @dataclass(frozen=True)

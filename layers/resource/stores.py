@@ -131,14 +131,25 @@ def is_ready(row: ClusterRow, timeout: timedelta, now: datetime | None = None) -
     return True, "HeartbeatFresh", "agent heartbeating"
 
 
+READY_CHANGED = "readyChangedAt"  # status key: the heartbeat that last changed the Ready condition
+FIRST_HEARTBEAT = "firstHeartbeatAt"  # status key: the cluster's first heartbeat
+
+
 def cluster_status(row: ClusterRow, timeout: timedelta, now: datetime | None = None) -> dict[str, Any]:
+    """The cluster's status as of ``now``. Its conditions' lastTransitionTime is when the condition took its
+    current value -- the heartbeat that changed it, the moment its last heartbeat went stale, or the
+    cluster's creation -- so reading it twice gives the same time."""
     now = now or datetime.now(UTC)
     ready, reason, message = is_ready(row, timeout, now)
     stored = dict(row.status or {})
-    conditions = set_condition(stored.get("conditions", []), "Ready", ready, reason, message, now)
     seen = as_utc(row.last_heartbeat_at)
+    created = as_utc(row.created_at) or now
+    ready_at = {"HeartbeatTimeout": seen + timeout if seen else created, "NoHeartbeat": created}.get(
+        reason, _stamp(stored.get(READY_CHANGED)) or seen or created)
+    heard_at = (_stamp(stored.get(FIRST_HEARTBEAT)) or seen) if seen else created
+    conditions = set_condition(stored.get("conditions", []), "Ready", ready, reason, message, ready_at)
     conditions = set_condition(conditions, "Heartbeat", seen is not None, "Received" if seen else "Missing",
-                               seen.isoformat() if seen else "never", now)
+                               seen.isoformat() if seen else "never", heard_at)
     pools = row.spec.get("nodePools", [])
     prices = sorted({p["pricePerGpuHour"] for p in pools}, key=float)
     return {
@@ -151,6 +162,10 @@ def cluster_status(row: ClusterRow, timeout: timedelta, now: datetime | None = N
         "gpuModel": ",".join(sorted({p["gpu"]["model"] for p in pools})),
         "price": f"{prices[0]} {row.spec.get('currency', 'USD')}/GPU-h" if prices else None,
     }
+
+
+def _stamp(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text else None
 
 
 class LinkStore(ResourceStore):

@@ -19,15 +19,17 @@ async def heartbeat(request: web.Request) -> web.Response:
     assert kind is not None
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        row = await capacity.heartbeat(s, principal, request.match_info["name"], body)
+        row = await capacity.heartbeat(s, principal, request.match_info["name"], body, kind.store.heartbeat_timeout)
         out = kind.store.to_manifest(principal, row)
     return json_response(out)
 
 
 async def heartbeats(request: web.Request) -> web.Response:
     body = await read_model(request, HeartbeatBatch)
+    kind = request.app[state.KINDS].by_kind("Cluster")
+    assert kind is not None
     async with request.app[state.DB].session() as s:
-        rows = await capacity.heartbeats(s, principal_of(request), body)
+        rows = await capacity.heartbeats(s, principal_of(request), body, kind.store.heartbeat_timeout)
         out = HeartbeatBatchResult(accepted=len(body.items),
                                    resource_versions={r.name: str(r.resource_version) for r in rows})
     return json_response(out.wire())
