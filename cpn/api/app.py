@@ -92,14 +92,14 @@ def serve(settings: Settings) -> None:
     """Serve the API: one process, or ``settings.effective_workers`` sharing the port (PostgreSQL)."""
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     count = settings.effective_workers
+    socks = _listen(settings)  # before the database is touched: a taken port changes nothing
     if count == 1:
         app = create_app(settings)
         app.on_startup.append(_announce(settings, 1))
         app.on_startup.append(_tune_gc)
-        web.run_app(app, host=settings.host, port=settings.port, print=None, backlog=LISTEN_BACKLOG, **_LIMITS)
+        web.run_app(app, sock=socks, print=None, **_LIMITS)
         return
     workers.migrate(settings.effective_database_url)
-    socks = workers.bind(settings.host, settings.port, LISTEN_BACKLOG)
     settings = settings.model_copy(update={"workers": count})  # each worker takes 1/count of the connections
 
     def start(shared: list[socket.socket], index: int) -> None:
@@ -110,6 +110,15 @@ def serve(settings: Settings) -> None:
         web.run_app(app, sock=shared, print=None, **_LIMITS)
 
     raise SystemExit(workers.run(count, socks, start))
+
+
+def _listen(settings: Settings) -> list[socket.socket]:
+    """The listening sockets, or one line saying why there are none (exit 1, no traceback)."""
+    try:
+        return workers.bind(settings.host, settings.port, LISTEN_BACKLOG)
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc} "
+                         "(another cpn serve there? choose another with --port or CPN_PORT)") from None
 
 
 # long request lines (label selectors, continue tokens) get a JSON 4xx from CPN, not aiohttp's text 400
