@@ -96,5 +96,7 @@ def test_follow_started_before_the_first_attempt_ends_when_the_job_ends(shop, tm
         if follower.poll() is None:
             follower.kill()
     site = first["spec"]["site"]
-    assert Path(sink.name).read_text().splitlines() == [
+    assert Path(sink.name).read_text().splitlines() == [  # (stderr too) what a Quoted job waits for, then its lines
+        "two-sites is Quoted: no worker runs until a quote is accepted (cpnctl accept two-sites --quote balanced); "
+        "following from its first attempt, Ctrl-C to stop",
         "--- attempt 1 ---", f"[{site} rank0] step 1 loss 5.1", f"[{site} rank0] step 2 loss 4.7"]

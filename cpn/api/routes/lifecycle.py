@@ -204,9 +204,12 @@ async def get_logs(request: web.Request) -> web.StreamResponse:
         cursor = await logs.open_logs(s, principal_of(request), request.match_info["name"], query)
     response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
     await response.prepare(request)
-    async for chunk in logs.stream(db, cursor):
-        await response.write(chunk.encode())
-    await response.write_eof()
+    try:
+        async for chunk in logs.stream(db, cursor):
+            await response.write(chunk.encode())
+        await response.write_eof()
+    except ConnectionResetError:  # the reader left (Ctrl-C on `cpnctl logs -f`): nothing to answer, no error
+        pass
     return response
 
 

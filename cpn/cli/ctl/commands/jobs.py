@@ -81,6 +81,11 @@ def logs(obj: Ctx, job: str, site: str | None, follow: bool, rank: int | None, a
          tail: int | None) -> None:
     """Print every rank's output of JOB, as the site agents shipped it: all lines of the current
     attempt (or --attempt N), or with -f, every attempt's lines as they come until the job ends."""
+    if follow:  # following a job that waits for its user would sit there silently: say what it waits for
+        phase = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"].get("phase")
+        if phase in WAITING_FOR_USER:
+            click.echo(f"{job} is {phase}: no worker runs until a quote is accepted (cpnctl accept {job} --quote "
+                       "balanced); following from its first attempt, Ctrl-C to stop", err=True)
     params = {"site": site, "follow": "1" if follow else None, "rank": rank, "attempt": attempt, "tail": tail}
     for line in obj.client.stream_lines(f"/api/v1/jobs/{obj.ref(job)}/logs",
                                         params={k: v for k, v in params.items() if v is not None}):
