@@ -124,6 +124,9 @@ def set_phase(row: JobRow, phase: JobPhase | str, reason: str, message: str, now
     previous = row.phase
     status = dict(row.status or {})
     conditions = set_condition(status.get("conditions", []), phase.value, True, reason, message, now)
+    for cond in list(conditions):  # one phase at a time: the others' conditions are history (False), as kubectl reads
+        if cond["type"] != phase.value and cond.get("status") == "True":
+            conditions = set_condition(conditions, cond["type"], False, cond.get("reason", ""), cond.get("message", ""), now)
     times = {**status.get("phaseTimes", {}), phase.value: now.isoformat()}
     row.status = validated(status, {"conditions": conditions, "phaseTimes": times, "message": message})
     row.phase = phase.value

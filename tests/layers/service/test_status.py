@@ -41,3 +41,16 @@ def test_phases_are_an_enum() -> None:
     with pytest.raises(ValueError, match="Finished"):
         set_phase(row, "Finished", "x", "y")
     assert row.phase == "Quoted" and "Succeeded" in JOB_TERMINAL and not JobPhase.RUNNING.terminal
+
+
+def test_only_the_current_phases_condition_is_true() -> None:
+    """A probe: a Succeeded job's `describe` still said `Running True WorkersRunning`."""
+    row = _row()
+    set_phase(row, JobPhase.QUOTED, "Quoted", "3 quotes")
+    set_phase(row, JobPhase.RUNNING, "WorkersRunning", "1 of 1 sub-tasks running")
+    set_phase(row, JobPhase.SUCCEEDED, "Succeeded", "1 of 1 site(s) finished")
+    by_type = {c["type"]: c for c in row.status["conditions"]}
+    assert by_type["Succeeded"]["status"] == "True"
+    assert by_type["Running"]["status"] == "False" and by_type["Running"]["reason"] == "WorkersRunning"  # history
+    assert by_type["Quoted"]["status"] == "False"
+    assert [c["type"] for c in row.status["conditions"] if c["status"] == "True"] == ["Succeeded"]
