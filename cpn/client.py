@@ -133,5 +133,7 @@ class Client:
             if isinstance(err, dict):
                 raise ApiError(response.status_code, err.get("code", "error"), err.get("message", ""),
                                err.get("field"), err.get("details"))
-            raise ApiError(response.status_code, "http_error", f"HTTP {response.status_code}: {response.text[:200]}")
+            said = " ".join(response.text.split())[:200] or response.reason_phrase or "no body"
+            raise ApiError(response.status_code, "http_error", f"HTTP {response.status_code} from {response.request.url}, "
+                           f"not a CPN API answer ({said}): is the server address right?")
         return body

@@ -46,7 +46,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        response = json_response({"error": {"code": code, "message": exc.reason, "field": None}}, exc.status)
+        message = exc.reason
+        if exc.status == 404 and isinstance(exc, web.HTTPNotFound) and exc.reason == "Not Found":  # no route
+            message = (f"no such path {request.path}: the API is under /api/v1 (a client's server address is the "
+                       "server's root, e.g. http://HOST:8080)")
+        response = json_response({"error": {"code": code, "message": message, "field": None}}, exc.status)
         if "Allow" in exc.headers:  # RFC 9110: a 405 says which methods the path takes
             response.headers["Allow"] = exc.headers["Allow"]
     except Exception:  # noqa: BLE001 - the boundary: nothing unexpected reaches a user as a traceback

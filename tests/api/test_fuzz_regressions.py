@@ -142,3 +142,27 @@ async def test_a_huge_layer_count_is_refused_before_the_planner_and_nan_weights_
                               headers={**api.auth("alice"), "Content-Type": "application/json"})
     body = await r.json()
     assert r.status == 422 and "finite" in str(body) and "spec.objective.cost" in str(body), body
+
+
+async def test_an_unknown_path_says_where_the_api_is(api) -> None:
+    """A probe: `--server http://HOST:PORT/api` gave a bare "error: Not Found"."""
+    r = await api.client.get("/api/api/v1/jobs", headers=api.auth("alice"))
+    body = await r.json()
+    assert r.status == 404 and body["error"]["code"] == "not_found", body
+    assert "no such path /api/api/v1/jobs: the API is under /api/v1" in body["error"]["message"], body
+    r = await api.client.get("/api/v1/jobs/nope", headers=api.auth("alice"))  # a route's own 404 keeps its words
+    assert "nope" in (await r.json())["error"]["message"]
+
+
+def test_a_non_cpn_answer_is_named_as_such() -> None:
+    """A probe: an address answering a bare 404 gave "error: HTTP 404: " and nothing after it."""
+    import httpx
+
+    from cpn.client import ApiError, Client
+
+    client = Client("http://example.invalid:8080")
+    client._http = httpx.Client(base_url="http://example.invalid:8080",  # noqa: SLF001
+                                transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    with pytest.raises(ApiError) as caught:
+        client.get("/api/v1/jobs")
+    assert "HTTP 404 from http://example.invalid:8080/api/v1/jobs, not a CPN API answer (Not Found)" in str(caught.value)

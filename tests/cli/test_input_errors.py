@@ -78,3 +78,20 @@ def test_a_token_with_a_space_or_line_break_inside_is_named_before_any_request(e
     proc = run_cli(["cpnctl", "get", "clusters"], {**env, "CPN_TOKEN": "cpn_ab_cd\n"})
     assert proc.returncode == 1
     assert one_line(proc).startswith("error: cannot reach http://127.0.0.1:9")
+
+
+def test_a_binary_file_and_a_broken_config_are_named(env, tmp_path: Path) -> None:
+    """A probe: a binary file gave Python's codec text without the file; a config of the wrong shape said
+    "1 validation error for ConfigFile", broken YAML in it no line."""
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\xd0\xcf\x11\xe0")
+    proc = run_cli(["cpnctl", "apply", "-f", str(binary)], env)
+    assert proc.returncode == 1
+    assert one_line(proc) == f"error: {binary}: not a text file (byte 0 is not UTF-8); give a YAML or JSON manifest"
+    config = Path(env["CPN_CONFIG"])
+    config.write_text("contexts: 5\n")
+    line = one_line(proc := run_cli(["cpnctl", "get", "jobs"], env))
+    assert proc.returncode == 1 and line.startswith(f"error: {config} is not a valid cpnctl config: contexts: "), line
+    config.write_text("contexts: [a\n")
+    line = one_line(proc := run_cli(["cpnctl", "get", "jobs"], env))
+    assert proc.returncode == 1 and "broken YAML at line 2 column 1" in line, line

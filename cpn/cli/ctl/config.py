@@ -42,8 +42,18 @@ def load() -> ConfigFile:
     try:
         data = yaml.safe_load(path.read_text()) or {}
         return ConfigFile.model_validate(data)
-    except (yaml.YAMLError, ValidationError) as exc:
-        raise ConfigError(f"{path} is not a valid cpnctl config: {str(exc).splitlines()[0]}") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path} is not a valid cpnctl config: broken YAML{where}: {problem}") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(x) for x in first["loc"]) or "the file"
+        raise ConfigError(f"{path} is not a valid cpnctl config: {field}: {first['msg']} (fix it, or remove the "
+                          "file and run cpnctl config set-context again)") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not a valid cpnctl config: not a text file") from exc
 
 
 def save(cfg: ConfigFile) -> None:

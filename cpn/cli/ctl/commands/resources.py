@@ -150,6 +150,9 @@ def _read_text(source: str) -> str:
         return Path(source).read_text()
     except FileNotFoundError as exc:
         raise click.ClickException(f"{source}: no such file") from exc
+    except UnicodeDecodeError as exc:
+        raise click.ClickException(f"{source}: not a text file (byte {exc.start} is not UTF-8); give a YAML or JSON "
+                                   "manifest") from exc
     except OSError as exc:
         raise click.ClickException(f"{source}: {(exc.strerror or str(exc)).lower()}") from exc
 
