@@ -27,7 +27,9 @@ async def test_openapi_is_3_1_and_names_schemas(api) -> None:
 
 
 async def test_missing_and_bad_tokens_are_401(api) -> None:
-    assert (await api.client.get("/api/v1/sites")).status == 401
+    missing = await api.client.get("/api/v1/sites")
+    assert missing.status == 401
+    assert "CPN_TOKEN, or cpnctl config set-context" in (await missing.json())["error"]["message"]  # where to put one
     resp = await api.client.get("/api/v1/sites", headers={"Authorization": "Bearer cpn_nope_nope"})
     assert resp.status == 401
     body = await resp.json()

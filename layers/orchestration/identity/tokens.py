@@ -142,7 +142,9 @@ async def revoke(session: AsyncSession, ref: str | None = None, *, account: str 
 async def authenticate(session: AsyncSession, header: str | None) -> Principal:
     """Resolve an `Authorization: Bearer …` header to a principal or raise Unauthenticated."""
     if not header or not header.startswith("Bearer "):
-        raise errors.Unauthenticated("missing bearer token: send 'Authorization: Bearer <token>'")
+        raise errors.Unauthenticated("missing bearer token: send 'Authorization: Bearer <token>' (cpnctl and cpn agent: "
+                                     "CPN_TOKEN, or cpnctl config set-context NAME --server URL --token TOKEN; "
+                                     "a token comes from cpn token create NAME --role ROLE)")
     key = _digest(header)
     hit = _cache.get(key)
     if hit and hit[0] > time.monotonic():
