@@ -122,7 +122,10 @@ def _listen(settings: Settings) -> list[socket.socket]:
 
 
 # long request lines (label selectors, continue tokens) get a JSON 4xx from CPN, not aiohttp's text 400
-_LIMITS = {"max_line_size": 65536, "max_field_size": 16384}  # aiohttp ≥ 3.14 takes the handler's limits directly
+_LIMITS = {"max_line_size": 65536, "max_field_size": 16384,  # aiohttp ≥ 3.14 takes the handler's limits directly
+           # on SIGTERM, requests still running after this are cancelled (their transactions roll back): the
+           # agents' 15 s long polls held a stop for 8-14 s, and their clients retry anyway
+           "shutdown_timeout": 3.0}
 
 
 def _announce(settings: Settings, count: int) -> Callable[[web.Application], Awaitable[None]]:
