@@ -95,3 +95,9 @@ def test_a_binary_file_and_a_broken_config_are_named(env, tmp_path: Path) -> Non
     config.write_text("contexts: [a\n")
     line = one_line(proc := run_cli(["cpnctl", "get", "jobs"], env))
     assert proc.returncode == 1 and "broken YAML at line 2 column 1" in line, line
+
+
+def test_version_against_an_unreachable_server_prints_the_client_and_exits_1(env) -> None:
+    proc = run_cli(["cpnctl", "version"], env)  # CPN_SERVER is port 9: nothing answers
+    assert proc.returncode == 1, proc
+    assert proc.stdout.startswith("Client Version: ") and "Server Version: unavailable (cannot reach" in proc.stdout

@@ -61,5 +61,6 @@ def version(obj: Ctx) -> None:
     try:
         server = obj.client.get("/healthz")
         click.echo(f"Server Version: {server.get('version')}")
-    except ApiError as exc:
+    except ApiError as exc:  # as kubectl: the client's version, then the server's problem, exit 1
         click.echo(f"Server Version: unavailable ({exc})")
+        raise SystemExit(1) from None
