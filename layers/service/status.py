@@ -22,7 +22,7 @@ class Progress(CamelModel):
     val_loss: float | None = None
     train_loss: float | None = None
     tokens_per_second: float = 0.0
-    eta_seconds: float = 0.0
+    eta_seconds: float | None = 0.0  # None once the job has ended (no "ETA 0 s" for a cancelled job)
     updated_at: str | None = None
 
 

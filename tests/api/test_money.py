@@ -120,3 +120,21 @@ async def test_progress_follows_the_newest_count_whichever_rank_reports_it(api, 
         await s.flush()
         await metering.refresh_progress(s, job)
         assert job.status["progress"]["percent"] == 100.0 and job.status["progress"]["tokens"] == total
+
+
+async def test_an_ended_job_has_no_eta(api, db) -> None:  # type: ignore[no-untyped-def]
+    """A probe: `get jobs -o wide` showed `ETA 0 s` for a cancelled job."""
+    from layers.orchestration.lifecycle.models import MetricRow
+    from layers.service.jobs import set_phase
+
+    await _world(api)
+    await _running(api, db, "halfway")
+    async with db.session() as s:
+        job = (await s.execute(select(JobRow).where(JobRow.name == "alice/halfway"))).scalar_one()
+        s.add(MetricRow(job="alice/halfway", attempt=1, rank=0, site=0, step=5, tokens=1024, tokens_per_second=100.0))
+        await s.flush()
+        await metering.refresh_progress(s, job)
+        assert job.status["progress"]["etaSeconds"] > 0  # running: the rest at the measured rate
+        set_phase(job, "Cancelled", "Cancelled", "cancelled by the user")
+        await metering.refresh_progress(s, job)
+        assert job.status["progress"]["etaSeconds"] is None

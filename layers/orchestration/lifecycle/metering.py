@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core.db import as_utc
-from cpn.core.phases import SUBTASK_FAILED
+from cpn.core.phases import SUBTASK_FAILED, JobPhase
 from layers.control.capacity import offer_cluster
 from layers.orchestration.lifecycle.agents import MAX_RANK
 from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
@@ -248,13 +248,14 @@ async def refresh_progress(session: AsyncSession, job: JobRow, now: datetime | N
     tps = sum({r.rank: r.tokens_per_second for r in reversed(rows)}.values())
     pct = min(100.0, 100.0 * tokens / total) if total else 0.0
     eta = (total - tokens) / tps if tps > 0 and tokens < total else 0.0
+    ended = JobPhase(job.phase).terminal
     entries = list((await session.execute(select(LedgerEntry).where(LedgerEntry.job == job.name))).scalars())
     # the invoices' own totals (exact 6-place lines summed, each total rounded once to the cent), so both agree
     cost = sum((Decimal(inv["status"]["total"]) for inv in billing.invoices(entries)), Decimal(0))
     update_status(job, progress={"percent": round(pct, 1), "tokens": tokens, "loss": _r(val if val is not None
                                                                                           else train),
                                  "valLoss": _r(val), "trainLoss": _r(train), "tokensPerSecond": round(tps, 1),
-                                 "etaSeconds": round(eta, 1), "updatedAt": now.isoformat()},
+                                 "etaSeconds": None if ended else round(eta, 1), "updatedAt": now.isoformat()},
                   cost={"total": str(cost.quantize(Decimal("0.01"))), "currency": job.spec.get("currency", "USD")})
 
 
