@@ -163,11 +163,15 @@ class WorkLoop:
                 log.exception("monitoring sub-task %s attempt %s failed", run.spec.subtask, run.spec.attempt)
 
     async def _monitor_run(self, uid: str, run: Run) -> None:
-        if self.desired.get(uid) == "Stop" and not run.stop_sent:
+        state = await self.driver.poll(run.spec, run.handle)
+        if self.desired.get(uid) == "Stop" and not run.stop_sent and state.phase not in DONE:
+            # a run that already ended is reported as it ended (its workers killed: the site was lost), not
+            # cancelled: the server stops a synchronous attempt's other sites when one fails, and that
+            # Stop could overtake this site's own failure and hide that the site was lost
             await self.driver.cancel(run.spec, run.handle)
             run.stop_sent = True
             log.info("stopping sub-task %s attempt %s (desired Stop)", run.spec.subtask, run.spec.attempt)
-        state = await self.driver.poll(run.spec, run.handle)
+            state = await self.driver.poll(run.spec, run.handle)
         lines, cursor = await self.driver.logs(run.spec, run.handle, run.cursor)
         if lines:
             await self._call("post", f"/api/v1/subtasks/{uid}/logs",

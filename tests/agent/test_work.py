@@ -122,3 +122,45 @@ async def test_a_claim_whose_agent_died_before_launching_is_launched_by_the_rest
         agent.close()
     assert site.launched == [(f"alice/orphan-{cluster}", 1)]  # launched once, by the restarted agent
     assert (await _job_of(db, "orphan")).phase == "Succeeded"
+
+
+class KilledSite(Site):
+    """A site whose workers were SIGKILLed before the server's Stop reached its agent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = 0
+
+    async def poll(self, spec: AttemptSpec, handle: dict[str, Any]) -> SubtaskState:
+        if self.cancelled:
+            return SubtaskState("Cancelled", exit_codes={"0": -15})
+        return SubtaskState("Failed", message="rank 0 exited -9", exit_codes={"0": -9})
+
+    async def cancel(self, spec: AttemptSpec, handle: dict[str, Any]) -> None:
+        self.cancelled += 1
+
+
+async def test_a_stop_that_overtakes_a_killed_sites_failure_does_not_hide_it() -> None:
+    """CI (e2e, ddp re-placed after a site's workers are killed): the surviving site failed first, the
+    server stopped the attempt's other site, and its agent cancelled a run that had already ended --
+    reporting Cancelled, so no site counted as lost and the job failed instead of restarting."""
+    from cpn.agent.work import Run
+
+    site = KilledSite()
+    agent = WorkLoop("http://127.0.0.1:9", "t", "fra-1-cpu", site, advertise="127.0.0.1")
+    posted: list[tuple[str, dict]] = []
+
+    async def call(method: str, path: str, **kw: Any) -> Any:
+        posted.append((path, kw.get("json") or {}))
+
+    agent._call = call  # type: ignore[method-assign]
+    spec = AttemptSpec.model_construct(subtask="alice/sync-fra-1-cpu", attempt=1, ranks=[0], job="alice/sync")
+    agent.runs["u1"] = Run("u1", spec, {})
+    agent.desired["u1"] = "Stop"
+    try:
+        await agent.monitor_once()
+    finally:
+        agent.close()
+    assert site.cancelled == 0
+    [(path, body)] = [p for p in posted if p[0].endswith("/status")]
+    assert body["phase"] == "Failed" and body["exitCodes"] == {"0": -9}, body
