@@ -59,10 +59,14 @@ def _peer_ip(column: str) -> str:
     return host.removeprefix("::ffff:")
 
 
-def socket_bytes_by_peer(pid: int | None = None) -> dict[tuple[str, str], int]:
-    """``{(local, peer): payload bytes sent}`` for the TCP sockets ``pid`` (default: this process) owns."""
-    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30, check=True).stdout
-    return parse_ss(out, os.getpid() if pid is None else pid)
+def socket_bytes_by_peer(pid: int | None = None, *, retransmitted: bool = False) -> dict[tuple[str, str], int]:
+    """``{(local, peer): payload bytes sent}`` for the TCP sockets ``pid`` (default: this process) owns;
+    with ``retransmitted``, the bytes sent again instead."""
+    return parse_ss(_ss(), os.getpid() if pid is None else pid, retransmitted=retransmitted)
+
+
+def _ss() -> str:
+    return subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30, check=True).stdout
 
 
 def _field(pattern: re.Pattern[str], line: str) -> int:
@@ -70,8 +74,10 @@ def _field(pattern: re.Pattern[str], line: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def parse_ss(text: str, pid: int) -> dict[tuple[str, str], int]:
-    """Parse ``ss -tinpH``: a socket line (owner in ``users:``) followed by an indented info line."""
+def parse_ss(text: str, pid: int, *, retransmitted: bool = False) -> dict[tuple[str, str], int]:
+    """Parse ``ss -tinpH``: a socket line (owner in ``users:``) followed by an indented info line.
+
+    Payload bytes (sent less retransmitted) per socket, or with ``retransmitted`` the bytes sent again."""
     counts: dict[tuple[str, str], int] = {}
     owner: tuple[str, str] | None = None
     for line in text.splitlines():
@@ -80,7 +86,8 @@ def parse_ss(text: str, pid: int) -> dict[tuple[str, str], int]:
             pids = {int(p) for p in _PID_RE.findall(line)}
             owner = (cols[3], cols[4]) if pid in pids and len(cols) >= 5 else None
         elif owner is not None:
-            counts[owner] = _field(_SENT_RE, line) - _field(_RETRANS_RE, line)
+            again = _field(_RETRANS_RE, line)
+            counts[owner] = again if retransmitted else _field(_SENT_RE, line) - again
             owner = None
     return counts
 
@@ -115,19 +122,30 @@ class Meter:
         self.site_addr = site_addr or os.environ.get(ENV_SITE_ADDR)
         self.ifname = ifname or os.environ.get("GLOO_SOCKET_IFNAME")
         self._sockets: dict[tuple[str, str], int] = {}
+        self._again: dict[tuple[str, str], int] = {}
         self._iface: int | None = None
+        self.retransmitted = ByteCount()  # bytes TCP sent again in the last window: on the wire, not payload
 
     def start(self) -> None:
-        self._sockets = socket_bytes_by_peer()
+        self._sockets, self._again = self._snapshot()
         self._iface = interface_tx_bytes(self.ifname)
 
     def stop(self) -> tuple[ByteCount, int | None]:
         """(this rank's socket bytes since :meth:`start`, the site veth's tx bytes since then)."""
-        now = socket_bytes_by_peer()
-        delta = {k: n - self._sockets.get(k, 0) for k, n in now.items()}
+        now, again = self._snapshot()
         iface = interface_tx_bytes(self.ifname)
+        self.retransmitted = classify(_since(again, self._again), self.site_addr)
         iface_delta = iface - self._iface if iface is not None and self._iface is not None else None
-        return classify(delta, self.site_addr), iface_delta
+        return classify(_since(now, self._sockets), self.site_addr), iface_delta
+
+    @staticmethod
+    def _snapshot() -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        text, pid = _ss(), os.getpid()
+        return parse_ss(text, pid), parse_ss(text, pid, retransmitted=True)
+
+
+def _since(now: dict[tuple[str, str], int], then: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+    return {k: n - then.get(k, 0) for k, n in now.items()}
 
 
 def cross_check(

@@ -44,13 +44,29 @@ def accounting_worker() -> list[str]:
         problems += [
             f"rank {g.rank} {name}: {p}" for p in cross_check(counted, measured, rel=0.02, slack=8192)
         ]
-        sums = [ByteCount(0, 0)] * g.world_size
-        dist.all_gather_object(sums, (measured.wan, iface if g.local_rank == 0 else 0))
-        wan_total, iface_total = sum(s[0] for s in sums), sum(s[1] or 0 for s in sums)
-        if iface is not None and g.rank == 0 and abs(iface_total - wan_total) > 0.03 * wan_total + 16384:
-            problems.append(f"{name}: veths saw {iface_total} WAN bytes, sockets {wan_total}")
+        sums = [(0, 0, 0)] * g.world_size
+        mine = (measured.wan, meter.retransmitted.wan, iface if g.local_rank == 0 else 0)
+        dist.all_gather_object(sums, mine)
+        wan, again, seen = (sum(s[i] or 0 for s in sums) for i in range(3))
+        if iface is not None and g.rank == 0:
+            problems += _veth_problems(name, seen, wan, again)
     shutdown()
     return problems
+
+
+# Frames on a veth, per payload byte, at most: 66 header bytes per 1448-byte segment when each segment is
+# its own frame (tbf splits a GSO packet larger than its burst), plus one 66-byte ACK per two segments
+# the site receives.  With GSO intact it is about 1.005 (measured here); CI once saw 1.050.
+WIRE_PER_PAYLOAD = 1 + 1.5 * 66 / 1448
+
+
+def _veth_problems(name: str, seen: int, payload: int, again: int) -> list[str]:
+    """The veths carry the payload once, plus what TCP sent again after a drop at the shaper's queue,
+    in frames with headers; the store's control traffic is inside the 16 KiB slack."""
+    low, high = 0.97 * payload - 16384, WIRE_PER_PAYLOAD * (payload + again) + 16384
+    if low <= seen <= high:
+        return []
+    return [f"{name}: veths saw {seen} WAN bytes, sockets {payload} (+{again} sent again)"]
 
 
 def _failures(results: list[list[str]]) -> list[str]:
@@ -64,6 +80,15 @@ def test_counts_match_sockets_without_emulation(run_workers) -> None:
 
 def test_counts_match_sockets_and_veths_behind_emulated_wan(root, run_workers) -> None:
     assert not _failures(run_workers(2, 2, accounting_worker, wan_mbps=2000))
+
+
+def test_veth_bytes_may_exceed_the_payload_by_what_tcp_sent_again() -> None:
+    assert _veth_problems("x", seen=4_409_032, payload=4_198_336, again=0) == []  # CI's figures: headers
+    assert _veth_problems("x", seen=4_650_000, payload=4_198_336, again=180_000) == []
+    assert _veth_problems("x", seen=4_800_000, payload=4_198_336, again=0) == [
+        "x: veths saw 4800000 WAN bytes, sockets 4198336 (+0 sent again)"
+    ]
+    assert _veth_problems("x", seen=3_000_000, payload=4_198_336, again=180_000)  # too few is still wrong
 
 
 def test_parse_ss_and_classify() -> None:
@@ -81,6 +106,8 @@ def test_parse_ss_and_classify() -> None:
     assert len(counts) == 3
     assert classify(counts, "10.231.0.1") == ByteCount(intra=320, wan=800)
     assert classify(counts, None) == ByteCount(intra=1120, wan=0)
+    again = parse_ss(text, pid=42, retransmitted=True)
+    assert classify(again, "10.231.0.1") == ByteCount(intra=0, wan=100)
 
 
 def test_cross_check_reports_disagreement() -> None:
