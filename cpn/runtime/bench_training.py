@@ -151,7 +151,7 @@ def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[
         run_dir = runs_dir / label
         summary = run_local(cfg, topology, wan_mbps=opts.wan_mbps, run_dir=run_dir, timeout=3 * 3600)
         summary["label"], summary["launch_seconds"] = label, round(time.monotonic() - t0, 1)
-        summary["resolved"] = explain(cfg)
+        summary["resolved"] = explain(cfg) + IDLE_WORDS.get(summary.get("idle_trial"), "")
         summaries.append(summary)
     ddp = next((s for s in summaries if s["strategy"] == "ddp" and s["label"] == "ddp"), None)
     target = ddp["final_val_loss"] if ddp else None
@@ -163,7 +163,7 @@ def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[
             "comm_fraction": s["comm_fraction"], "initial_val_loss": s["initial_val_loss"],
             "live_sites": s["live_sites"], "resolved": s["resolved"],
             "gpu_seconds": s.get("gpu_seconds"), "intra_bytes": s.get("intra_bytes"),
-            **{k: s[k] for k in ("shares", "ps_dropped", "ps_failovers", "ps_staleness_mean") if k in s},
+            **{k: s[k] for k in ("shares", "idle_trial", "idle_gain", "ps_dropped", "ps_failovers", "ps_staleness_mean") if k in s},
         }
         for s in summaries
     ]
@@ -221,6 +221,10 @@ def _table(report: dict[str, Any]) -> list[str]:
             f"{'–' if ttl is None else f'{ttl:.1f}'} |"
         )
     return lines
+
+
+# what the balanced strategy's trial of its slowest ranks idle decided (cpn/runtime/strategies/idle.py)
+IDLE_WORDS = {"kept": ", slowest ranks idle (tried: faster)", "dropped": ", every rank works (idle tried: not faster)"}
 
 
 def write_markdown(out_dir: Path) -> Path:

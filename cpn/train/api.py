@@ -301,6 +301,8 @@ class Trainer:
         ctx.busy_seconds += busy
         ctx.sequences_done += ctx.micro_batch
         self.strategy.after_backward(self._step)
+        if self.strategy.may_idle:  # its balance windows time the steps (strategies/idle.py)
+            ctx.step_walls.append(time.perf_counter() - self._since)
         self._step += 1
         self._units += int(tokens)
         self.strategy.rebalance(self._step)

@@ -281,12 +281,13 @@ def test_a_rank_that_never_posts_its_speed_costs_one_timeout_not_one_per_window(
 
     from cpn.runtime.metrics import Timers
     from cpn.runtime.strategies.base import Strategy
+    from cpn.runtime.strategies.idle import IdleTrial
 
     store = dist.HashStore()
     cfg = tiny("diloco", balance=True, wan_timeout_seconds=2.0)
     ctx = SimpleNamespace(busy_seconds=0.0, sequences_done=0, store=store, groups=SimpleNamespace(world_size=3),
-                          rank=0, shares=None, micro_batch=None, timers=Timers())
-    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx)
+                          rank=0, shares=None, micro_batch=None, timers=Timers(), step_walls=[])
+    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx, idle_trial=IdleTrial(), may_idle=False)
     posts = dist.PrefixStore("cpn/balance", store)
     Strategy.rebalance(rank0, 1)  # the first window starts
     ctx.busy_seconds, ctx.sequences_done = 1.0, 10
@@ -296,7 +297,8 @@ def test_a_rank_that_never_posts_its_speed_costs_one_timeout_not_one_per_window(
     assert time.monotonic() - started >= 2.0 and ctx.shares is None and rank0._silent == {2}
     # rank 2 was only late: it finds every speed posted, yet takes the window's verdict, as rank 0 did
     late_ctx = SimpleNamespace(**{**vars(ctx), "rank": 2, "shares": None, "timers": Timers()})
-    late = SimpleNamespace(balanced=True, cfg=cfg, ctx=late_ctx, _window=(0.0, 0))
+    late = SimpleNamespace(balanced=True, cfg=cfg, ctx=late_ctx, _window=(0.0, 0), idle_trial=IdleTrial(),
+                           may_idle=False)
     late_ctx.busy_seconds, late_ctx.sequences_done = 1.0, 10
     Strategy.rebalance(late, 5)
     assert late_ctx.shares is None and late._silent == {2}
@@ -321,14 +323,15 @@ def test_balance_windows_do_not_wait_for_the_sites_the_exchange_dropped() -> Non
 
     from cpn.runtime.metrics import Timers
     from cpn.runtime.strategies.base import Strategy
+    from cpn.runtime.strategies.idle import IdleTrial
 
     store = dist.HashStore()
     cfg = tiny("diloco", balance=True, wan_timeout_seconds=3.0)
     groups = SimpleNamespace(world_size=3, topology=Topology.uniform(3, 1))
     store.set("cpn/wan/dropped", json.dumps([2]))  # what the coordinator's last check-in recorded
     ctx = SimpleNamespace(busy_seconds=0.0, sequences_done=0, store=store, groups=groups, rank=0, shares=None,
-                          micro_batch=None, timers=Timers())
-    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx)
+                          micro_batch=None, timers=Timers(), step_walls=[])
+    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx, idle_trial=IdleTrial(), may_idle=False)
     Strategy.rebalance(rank0, 1)
     ctx.busy_seconds, ctx.sequences_done = 1.0, 20  # rank 0: 20 sequences per busy second
     dist.PrefixStore("cpn/balance", store).set("5/1", "5.0")
@@ -339,7 +342,8 @@ def test_balance_windows_do_not_wait_for_the_sites_the_exchange_dropped() -> Non
     assert rank0._silent == set()
     late_ctx = SimpleNamespace(**{**vars(ctx), "rank": 1, "shares": None, "timers": Timers()})
     store.set("cpn/wan/dropped", json.dumps([]))  # site 2 checked in again meanwhile: the verdict still stands
-    late = SimpleNamespace(balanced=True, cfg=cfg, ctx=late_ctx, _window=(0.0, 0))
+    late = SimpleNamespace(balanced=True, cfg=cfg, ctx=late_ctx, _window=(0.0, 0), idle_trial=IdleTrial(),
+                           may_idle=False)
     late_ctx.busy_seconds, late_ctx.sequences_done = 1.0, 5
     started = time.monotonic()
     Strategy.rebalance(late, 5)

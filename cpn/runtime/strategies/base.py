@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from cpn.runtime.data import ShardSampler, canonical_picks
 from cpn.runtime.device import HOST, HostStage
 from cpn.runtime.groups import Groups
 from cpn.runtime.metrics import Timers
+from cpn.runtime.strategies.idle import IdleTrial, TrialState, shares_with_idle
 from cpn.runtime.topology import Topology
 
 
@@ -59,6 +61,7 @@ class Context:
     step_share: list[int] | None = None  # tokens per rank of a trimmed step (None: ``shares`` × seq_len)
     busy_seconds: float = 0.0  # forward + backward (and any injected slow-down): what sets a rank's speed
     sequences_done: int = 0
+    step_walls: list[float] = field(default_factory=list)  # each step's wall seconds, evaluations excluded
     loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None  # the pipeline's last stage, for a user's model
     cuts: list[int] | None = None  # the pipeline: where a user's model is cut (None: by parameter count)
 
@@ -282,6 +285,7 @@ class Strategy:
     elastic: ClassVar[bool] = False
     global_budget: ClassVar[bool] = False
     balanced: ClassVar[bool] = False  # may give ranks shares of the batch by measured speed (strategy.balance)
+    may_idle: ClassVar[bool] = False  # balanced, and synchronous every step: may try its slowest ranks idle (idle.py)
     owns_forward_backward: ClassVar[bool] = False  # the loop calls :meth:`forward_backward` instead of its own
     takes_inputs: bool = False  # owns the passes and takes the user's rows (trainer.step(inputs=, targets=))
 
@@ -302,6 +306,7 @@ class Strategy:
         self.opt = make_optimizer(self.cfg, params_of(self.model))
         self.start_step = 0
         self.progress = 0.0
+        self.idle_trial = IdleTrial()
 
     # the loop calls these, in this order, every step
     def before_step(self, step: int) -> None:
@@ -364,12 +369,16 @@ class Strategy:
         ctx = self.ctx
         ended, started = balance_window(step)
         window = getattr(self, "_window", None)
+        walls = list(ctx.step_walls)  # the steps since the last window's end or start
+        if ended is not None or started is not None:
+            del ctx.step_walls[:]
         if started is not None:
             self._window = (ctx.busy_seconds, ctx.sequences_done)
         if ended is None or window is None:
             return
         busy, seqs = ctx.busy_seconds - window[0], ctx.sequences_done - window[1]
         store = dist.PrefixStore("cpn/balance", ctx.store)
+        store.set(f"{step}/{ctx.rank}/wall", repr(statistics.median(walls) if walls else 0.0))  # read after the speed
         store.set(f"{step}/{ctx.rank}", repr(seqs / max(busy, 1e-9)))
         world = ctx.groups.world_size
         silent: set[int] = getattr(self, "_silent", set())
@@ -386,14 +395,27 @@ class Strategy:
         self._silent = silent | set(verdict.missing)  # the first verdict stands
         if verdict.missing or not verdict.counted:
             return
+        trial = self.idle_trial
         posted = {r: float(store.get(f"{step}/{r}")) for r in verdict.counted}
         mean = sum(posted.values()) / len(posted)
-        speeds = [posted.get(r, mean) for r in range(world)]
+        speeds = trial.speeds_with_idle([posted.get(r, mean) for r in range(world)])
         if max(speeds) <= BALANCE_THRESHOLD * min(speeds):  # equal hardware: noise, not a straggler
+            trial.stop()
             ctx.shares = self.cfg.shares(world)
         else:
-            ctx.shares = proportional_shares(self.cfg.global_sequences, speed_classes(speeds))
+            classes = speed_classes(speeds)
+            idle = trial.next_idle(classes, self._window_rate(store, step, verdict.counted)) \
+                if self.may_idle else frozenset()
+            ctx.shares = shares_with_idle(self.cfg.global_sequences, classes, idle, proportional_shares)
+        trial.uneven = ctx.shares != self.cfg.shares(world)
         ctx.micro_batch = ctx.shares[ctx.rank]
+
+    def _window_rate(self, store: dist.Store, step: int, ranks: list[int]) -> float:
+        """The job's sequences per second of training in the window ending at ``step``, from the ranks'
+        posted median step times: a median, as a step that waited out an evaluation or a hiccup of a
+        shared host would move a mean; the least of them, as rank 0's skip its evaluations."""
+        wall = min(float(store.get(f"{step}/{r}/wall")) for r in ranks)
+        return self.cfg.global_sequences / max(wall, 1e-9)
 
     def publish(self) -> None:
         """Every rank, when the job closes (after the loop's last validation, before its final figures):
@@ -403,7 +425,13 @@ class Strategy:
         """Strategy-specific figures for the run summary (rank 0, after every rank's :meth:`publish`);
         under balanced shares, the last split of the global batch (``shares``: sequences per rank)."""
         if self.balanced and self.cfg.strategy.balance and self.ctx.shares:
-            return {"shares": list(self.ctx.shares)}
+            extras: dict[str, Any] = {"shares": list(self.ctx.shares)}
+            trial = self.idle_trial
+            if trial.tries:  # ranks tried idle, and whether it stood (idle.py); ready again after a no
+                extras["idle_trial"] = (TrialState.DROPPED if trial.state is TrialState.READY else trial.state).value
+                if trial.gain is not None:
+                    extras["idle_gain"] = round(trial.gain, 3)
+            return extras
         return {}
 
     def live_sites(self) -> list[int]:

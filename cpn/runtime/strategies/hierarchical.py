@@ -124,6 +124,7 @@ class Hierarchical(DDP):
     name = "hierarchical"
     algorithm = "hierarchical"
     balanced = True
+    may_idle = True
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)

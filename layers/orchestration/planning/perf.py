@@ -407,6 +407,8 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
     throughput = sum(a.gpus * calibration.effective_tflops(offers[a.cluster].gpu_model, offers[a.cluster].tflops)
                      for a in used) * 1e12
     compute = flops_per_step(req) / throughput * host_stretch(sum(site_gpus.values()), host_cores)
+    if strategy == "hierarchical" and host_cores is not None:
+        compute = min(compute, _idle_compute(req, used, offers, host_cores))
     req = autotuned(req, strategy, site_gpus, compute, wan_gbps, rtt_ms)
     intra_gbps = intra_gbps_by_site(used, offers)
     comm, sent = site_comm(req, strategy, compute, site_gpus, intra_gbps, wan_gbps, rtt_ms)
@@ -431,6 +433,21 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
         intra_bytes=_intra_bytes(req, site_gpus) * steps, gpu_seconds_by_cluster=gpu_seconds,
         egress_bytes_by_link=egress, est_cost=cost, step_factor=factor, startup_seconds=startup,
     )
+
+
+def _idle_compute(req: JobRequirements, used: list[Assignment], offers: Mapping[str, ClusterOffer],
+                  host_cores: float) -> float:
+    """A step's compute with the slowest slots idle, the balanced runtime's other split where slots share
+    a host's cores (``cpn/runtime/strategies/idle.py``: it keeps whichever runs faster); inf when every
+    slot is as fast (nothing to idle)."""
+    rate = {a.cluster: calibration.effective_tflops(offers[a.cluster].gpu_model, offers[a.cluster].tflops)
+            for a in used}
+    slowest = min(rate.values())
+    working = [a for a in used if rate[a.cluster] > slowest]
+    if not working:
+        return math.inf
+    throughput = sum(a.gpus * rate[a.cluster] for a in working) * 1e12
+    return flops_per_step(req) / throughput * host_stretch(sum(a.gpus for a in working), host_cores)
 
 
 def _worker_compute(req: JobRequirements, used: list[Assignment], offers: Mapping[str, ClusterOffer],
