@@ -301,7 +301,7 @@ class Trainer:
         ctx.busy_seconds += busy
         ctx.sequences_done += ctx.micro_batch
         self.strategy.after_backward(self._step)
-        if self.strategy.may_idle:  # its balance windows time the steps (strategies/idle.py)
+        if self.strategy.may_idle and ctx.cfg.strategy.balance:  # its balance windows time the steps (idle.py)
             ctx.step_walls.append(time.perf_counter() - self._since)
         self._step += 1
         self._units += int(tokens)
