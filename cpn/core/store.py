@@ -347,12 +347,12 @@ class ResourceStore:
 
     async def replace(self, session: AsyncSession, principal: Principal, name: str, body: Any,
                       *, check_version: bool = True) -> dict[str, Any]:
+        row = await self.load(session, principal, name, lock=True)
+        self.authorize_write(principal, row)  # before the body: another account learns nothing from its checks
         obj = self.parse(body)
         if obj.metadata.name != split_key(name)[1]:
             raise errors.InvalidInput(f"name {obj.metadata.name!r} does not match the URL's {name!r}",
                                       field="metadata.name")
-        row = await self.load(session, principal, name, lock=True)
-        self.authorize_write(principal, row)
         if self.namespaced and obj.metadata.namespace not in (None, split_key(row.name)[0]):
             raise errors.InvalidInput(f"namespace {obj.metadata.namespace!r} does not match the object's "
                                       f"{split_key(row.name)[0]!r}", field="metadata.namespace")
@@ -370,6 +370,7 @@ class ResourceStore:
         if not isinstance(patch, dict):
             raise errors.InvalidInput("a merge patch must be a JSON object")
         row = await self.load(session, principal, name)
+        self.authorize_write(principal, row)
         current = {"apiVersion": "cpn/v1", "kind": self.kind,
                    "metadata": {"name": split_key(row.name)[1], "labels": row.labels or {}},
                    "spec": copy.deepcopy(row.spec)}

@@ -65,6 +65,18 @@ async def test_provider_b_cannot_change_provider_a(api) -> None:
     assert (await api.client.put("/api/v1/clusters/fra-h100", json=changed, headers=api.auth("admin"))).status == 200
 
 
+async def test_another_providers_bad_body_is_refused_for_the_owner_not_checked(api) -> None:
+    """Ownership first: provider B's invalid PATCH or PUT of A's cluster gets 403, not a validation
+    error that tells B what A's object holds or accepts (it used to be 422)."""
+    await apply(api, "prov-a", WORLD_A)
+    bad = {"spec": {"gpus": -5}}
+    for method, body in (("patch", bad), ("put", {"kind": "Cluster", "spec": {"gpus": "many"}})):
+        resp = await getattr(api.client, method)("/api/v1/clusters/fra-h100", json=body, headers=api.auth("prov-b"))
+        assert resp.status == 403, (method, await resp.text())
+        resp = await getattr(api.client, method)("/api/v1/clusters/fra-h100", json=body, headers=api.auth("prov-a"))
+        assert resp.status == 422, (method, await resp.text())  # the owner still hears what is wrong
+
+
 async def test_apply_is_all_or_nothing(api) -> None:
     resp = await apply(api, "prov-a", [site("fra-1"), cluster("bad", "nowhere")])
     assert resp.status == 422
