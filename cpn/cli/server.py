@@ -275,9 +275,9 @@ def run() -> None:
     except click.exceptions.Abort:
         click.echo("error: aborted", err=True)
         sys.exit(1)
-    except click.ClickException as exc:
+    except click.ClickException as exc:  # usage errors too: bad input exits 1, as in cpnctl
         click.echo(f"error: {exc.format_message()}", err=True)
-        sys.exit(exc.exit_code or 1)
+        sys.exit(1)
     except CPNError as exc:
         click.echo(f"error: {exc.message}", err=True)
         sys.exit(1)

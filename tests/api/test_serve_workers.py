@@ -64,7 +64,7 @@ def test_more_than_one_worker_on_sqlite_is_refused_in_one_line(tmp_path: Path) -
     env.pop("CPN_DATABASE_URL", None)
     out = subprocess.run([str(Path(sys.executable).parent / "cpn"), "serve", "--workers", "2"], env=env,
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2, out
+    assert out.returncode == 1, out
     lines = [x for x in out.stderr.splitlines() if x.strip() and not x.startswith(("Usage:", "Try "))]
     assert lines == ["error: workers 2 needs PostgreSQL: the embedded SQLite database is served by one process "
                      "(set CPN_DATABASE_URL, or drop --workers)"], out.stderr

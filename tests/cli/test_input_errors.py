@@ -1,5 +1,5 @@
 """Input errors a new user meets before any server is involved: one line naming what to fix, the option
-or file they typed, no traceback, no validator internals; `cpn train` usage errors exit 2."""
+or file they typed, no traceback, no validator internals; `cpn train` usage errors exit 1, as every bad input does."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def test_apply_refuses_a_duplicate_key_with_file_and_line(env, tmp_path: Path) -
     (["--strategy", "pipeline", "--sites", "4", "--stages", "3"], "--stages 3 must divide the job's 4 sites"),  # preflight
     (["--workers-per-site", "0"], "'--workers-per-site': 0 is not in the range x>=1"),
 ])
-def test_cpn_train_names_the_option_and_exits_2(env, args: list[str], said: str) -> None:
+def test_cpn_train_names_the_option_and_exits_1(env, args: list[str], said: str) -> None:
     proc = run_cli(["cpn", "train", *args], env)
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 1, proc.stderr
     line = one_line(proc)
     assert said in line, line
     assert "literal[" not in line and "strategy." not in line and "global_batch_tokens" not in line
