@@ -166,3 +166,35 @@ def test_a_non_cpn_answer_is_named_as_such() -> None:
     with pytest.raises(ApiError) as caught:
         client.get("/api/v1/jobs")
     assert "HTTP 404 from http://example.invalid:8080/api/v1/jobs, not a CPN API answer (Not Found)" in str(caught.value)
+
+
+async def test_planning_runs_off_the_event_loop_and_others_are_answered_meanwhile(api, monkeypatch) -> None:
+    """A large job's planning (seconds) ran on the event loop, where every other user's request and the
+    sites' heartbeats waited for it; it runs on a worker thread now, and the loop answers meanwhile."""
+    import asyncio
+    import threading
+    import time
+
+    from layers.orchestration.planning import placement
+    from tests.api.test_jobs import job, register_world
+
+    await register_world(api)
+    loop_thread, seen, release = threading.current_thread(), [], threading.Event()
+    plan = placement.quote_options
+
+    def slow_plan(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - wraps the real planner
+        seen.append(threading.current_thread())
+        release.wait(10)  # held until the loop has answered another request: on the loop, this would deadlock
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "quote_options", slow_plan)
+    submit = asyncio.ensure_future(api.client.post("/api/v1/jobs", json=job("big"), headers=api.auth("alice")))
+    while not seen:
+        await asyncio.sleep(0.01)
+    started = time.monotonic()
+    r = await api.client.get("/healthz")
+    answered = time.monotonic() - started
+    release.set()
+    assert r.status == 200 and answered < 5, answered
+    assert (await submit).status == 201
+    assert seen and all(t is not loop_thread for t in seen)

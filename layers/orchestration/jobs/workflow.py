@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -217,7 +218,10 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
     req = replace(requirements(spec, now), learned=learned, data=need, profiled=profile.profiled(profiled))
     offers, wan = planner_inputs_of(market, spec.currency)
     links = market.links
-    plans = placement.quote_options(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
+    # on a worker thread: a large job's planning (seconds at spec.model.layers near its cap) must not
+    # hold the event loop, where every other user's requests and the sites' heartbeats wait
+    plans = await asyncio.to_thread(placement.quote_options, req, offers, wan, objective(spec),
+                                    solver=solver_for(len(offers)))
     region_of, sellers, link_prices, link_owners = pricing_inputs(market)
     rows, refused = [], []
     for label, plan in plans.items():

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,7 @@ EXHAUSTIVE_CHOICES = 600  # ordered stage→site choices (over every P) priced o
 WIDTHS = 6  # GPUs-per-stage values tried for each choice
 REPLICA_STARTS = 4  # D > 1: greedy sets of chains started from this many of the best chains (per ranking)
 _MEMO: OrderedDict[tuple[Any, ...], list[Plan]] = OrderedDict()
+_MEMO_LOCK = threading.Lock()
 _MEMO_SIZE = 16
 
 
@@ -119,12 +121,14 @@ def candidates(problem: Problem) -> list[Plan]:
     same inputs give the same list (memoised: a quote scores it under three objectives)."""
     req = problem.req
     key = (req, tuple(problem.offers), tuple(problem.links))
-    hit = _MEMO.get(key)
+    with _MEMO_LOCK:  # planning runs on worker threads (placement.quote_options)
+        hit = _MEMO.get(key)
     if hit is None:
         hit = _search(problem)
-        _MEMO[key] = hit
-        while len(_MEMO) > _MEMO_SIZE:
-            _MEMO.popitem(last=False)
+        with _MEMO_LOCK:
+            _MEMO[key] = hit
+            while len(_MEMO) > _MEMO_SIZE:
+                _MEMO.popitem(last=False)
     return hit
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
@@ -256,19 +257,22 @@ def quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list[
     GPU count, a lease, a learned factor) is a different key."""
     key = (req, offers if isinstance(offers, tuple) else tuple(offers),  # a tuple as given: it may hash once
            links if isinstance(links, tuple) else tuple(links), objective, solver)
-    hit = _QUOTE_MEMO.get(key)
+    with _QUOTE_LOCK:  # the API plans on worker threads (off its event loop): one memo, one writer at a time
+        hit = _QUOTE_MEMO.get(key)
+        if hit is not None:
+            _QUOTE_MEMO.move_to_end(key)
     if hit is None:
-        hit = _quote_options(req, offers, links, objective, solver)
-        _QUOTE_MEMO[key] = hit
-        while len(_QUOTE_MEMO) > QUOTE_MEMO_SIZE:
-            _QUOTE_MEMO.popitem(last=False)
-    else:
-        _QUOTE_MEMO.move_to_end(key)
+        hit = _quote_options(req, offers, links, objective, solver)  # unlocked: two plannings may overlap
+        with _QUOTE_LOCK:
+            _QUOTE_MEMO[key] = hit
+            while len(_QUOTE_MEMO) > QUOTE_MEMO_SIZE:
+                _QUOTE_MEMO.popitem(last=False)
     return copy.deepcopy(hit)
 
 
 QUOTE_MEMO_SIZE = 64  # distinct (job, snapshot) plans kept; each is three small Plan objects
 _QUOTE_MEMO: OrderedDict[tuple[Any, ...], dict[str, Plan]] = OrderedDict()
+_QUOTE_LOCK = threading.Lock()
 
 
 def _quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
