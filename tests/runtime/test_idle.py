@@ -50,6 +50,13 @@ def test_a_trial_that_was_clearly_slower_is_not_repeated() -> None:
     assert trial.state is TrialState.DROPPED and trial.tries == 1
 
 
+def test_a_window_without_timed_steps_decides_nothing() -> None:
+    trial = IdleTrial(uneven=True)
+    assert trial.next_idle([300.0, 100.0], rate=0.0) == frozenset() and trial.state is TrialState.READY
+    assert trial.next_idle([300.0, 100.0], rate=700.0) == {1}
+    assert trial.next_idle([300.0, 100.0], rate=0.0) == {1} and trial.state is TrialState.TRYING
+
+
 def test_equal_speeds_never_idle_anyone() -> None:
     trial = IdleTrial(uneven=True)
     assert trial.next_idle([300.0, 300.0], rate=700.0) == frozenset()  # every rank is the slowest class

@@ -414,8 +414,8 @@ class Strategy:
         """The job's sequences per second of training in the window ending at ``step``, from the ranks'
         posted median step times: a median, as a step that waited out an evaluation or a hiccup of a
         shared host would move a mean; the least of them, as rank 0's skip its evaluations."""
-        wall = min(float(store.get(f"{step}/{r}/wall")) for r in ranks)
-        return self.cfg.global_sequences / max(wall, 1e-9)
+        walls = [w for r in ranks if (w := float(store.get(f"{step}/{r}/wall"))) > 0]
+        return self.cfg.global_sequences / min(walls) if walls else 0.0
 
     def publish(self) -> None:
         """Every rank, when the job closes (after the loop's last validation, before its final figures):

@@ -55,6 +55,8 @@ class IdleTrial:
     def next_idle(self, classes: list[float], rate: float) -> frozenset[int]:
         """After a window at ``rate`` (sequences per second) with speed ``classes`` per rank (uneven):
         the ranks idle in the next window."""
+        if rate <= 0:  # no step was timed: nothing to compare with
+            return self.idle
         if self.state is TrialState.READY and self.uneven:
             slowest = min(classes)
             idle = frozenset(r for r, c in enumerate(classes) if c == slowest)
