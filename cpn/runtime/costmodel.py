@@ -36,6 +36,8 @@ __all__ = [
 # of it a training step gets (0.040 TFLOP/s of 6·parameters·tokens per CPU-second, measured 2026-11-25:
 # docs/benchmarks/calibration.md). The planner prices "CPU" slots with them, the runtime's defaults order
 # strategies with them: one source.
+BALANCE_THRESHOLD = 1.25  # speeds closer than this are taken as equal (the measurement's noise on shared CPUs);
+# the runtime's balanced shares and the planner's pricing of them read it here
 CPU_SLOT_TFLOPS = 0.10
 CPU_SLOT_MFU = 0.40
 

@@ -57,6 +57,15 @@ def test_a_window_without_timed_steps_decides_nothing() -> None:
     assert trial.next_idle([300.0, 100.0], rate=0.0) == {1} and trial.state is TrialState.TRYING
 
 
+def test_even_speeds_put_idle_ranks_back_to_work() -> None:
+    trial = IdleTrial(uneven=True)
+    trial.next_idle([300.0, 300.0, 100.0], rate=700.0)
+    trial.next_idle([300.0, 300.0, 100.0], rate=800.0)
+    assert trial.state is TrialState.KEPT and trial.idle == {2}
+    trial.stop()  # the fast ranks slowed to rank 2's speed: idling it no longer follows from a trial
+    assert trial.idle == frozenset() and trial.state is TrialState.READY and trial.tries == 1
+
+
 def test_equal_speeds_never_idle_anyone() -> None:
     trial = IdleTrial(uneven=True)
     assert trial.next_idle([300.0, 300.0], rate=700.0) == frozenset()  # every rank is the slowest class
@@ -66,6 +75,17 @@ def test_equal_speeds_never_idle_anyone() -> None:
 def test_idle_ranks_take_no_sequences_and_the_rest_split_the_batch() -> None:
     assert shares_with_idle(32, [320.0, 320.0, 88.0], frozenset({2}), proportional_shares) == [16, 16, 0]
     assert shares_with_idle(32, [320.0, 320.0, 88.0], frozenset(), proportional_shares) == [14, 14, 4]
+
+
+def test_a_rank_of_weight_0_sends_zeros_even_after_an_empty_batchs_nan() -> None:
+    from cpn.runtime.strategies.base import weigh
+
+    grads = [torch.tensor([float("nan"), 1.0]), torch.tensor([float("inf")])]
+    weigh(grads, (0, 32))  # an idle rank whose loop ran its model on no rows
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    grads = [torch.tensor([2.0, 4.0])]
+    weigh(grads, (48, 32))
+    assert torch.equal(grads[0], torch.tensor([3.0, 6.0]))
 
 
 def _cfg(strategy: str, balance: bool) -> TrainConfig:

@@ -35,6 +35,9 @@ from torch import Tensor, nn
 from cpn.runtime.codecs import ErrorFeedback, get_codec
 from cpn.runtime.collectives import Stats, broadcast_from_site_leader, site_allreduce
 from cpn.runtime.config import PS_STRATEGIES, TrainConfig, trim_shares
+from cpn.runtime.costmodel import (
+    BALANCE_THRESHOLD as BALANCE_THRESHOLD,  # one source: the planner reads it too
+)
 from cpn.runtime.data import ShardSampler, canonical_picks
 from cpn.runtime.device import HOST, HostStage
 from cpn.runtime.groups import Groups
@@ -181,10 +184,14 @@ def lr_at(cfg: TrainConfig, progress: float) -> float:
 
 def weigh(tensors: list[Tensor], weight: tuple[int, int]) -> None:
     """Scale by ``num/den`` before an averaging all-reduce, so that ranks with uneven shares of the
-    batch count by the sequences they did (no-op when the shares are equal)."""
+    batch count by the sequences they did (no-op when the shares are equal). A rank of weight 0 (no
+    sequences: idle, or out of a trimmed step) sends zeros, whatever its loop computed: 0 × NaN is NaN,
+    and a user's loop may have run its model on an empty batch."""
     num, den = weight
-    if num != den:
-        torch._foreach_mul_(tensors, num / den if den else 0.0)
+    if num == 0 or not den:
+        torch._foreach_zero_(tensors)
+    elif num != den:
+        torch._foreach_mul_(tensors, num / den)
 
 
 def timed_barrier(ctx: Context, group: dist.ProcessGroup | None) -> None:
@@ -256,7 +263,6 @@ def balance_window(step: int) -> tuple[int | None, int | None]:
         if step > last:
             ends[step] = step - BALANCE_EVERY
     return ends.get(step), step if step in starts else None
-BALANCE_THRESHOLD = 1.25  # speeds closer than this are taken as equal (the measurement's noise on shared CPUs)
 
 
 def speed_classes(speeds: list[float], threshold: float = BALANCE_THRESHOLD) -> list[float]:

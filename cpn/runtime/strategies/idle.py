@@ -76,10 +76,12 @@ class IdleTrial:
         return TrialState.READY if again else TrialState.DROPPED
 
     def stop(self) -> None:
-        """Speeds became even: every rank works (an idle split that stood stays decided)."""
-        if self.state is TrialState.TRYING:
-            self.state = self._after_no()
-        self.idle = self.idle if self.state is TrialState.KEPT else frozenset()
+        """Speeds became even (the fast ranks slowed to the idle ones' last speed): every rank works, and
+        a later uneven window may try again while tries are left."""
+        if self.state in (TrialState.TRYING, TrialState.KEPT):
+            self.gain = None if self.state is TrialState.TRYING else self.gain  # that trial was not measured
+            self.state = TrialState.READY if self.tries < IDLE_TRIES else TrialState.DROPPED
+        self.idle = frozenset()
 
 
 def shares_with_idle(total: int, classes: list[float], idle: frozenset[int],

@@ -95,6 +95,7 @@ from typing import Any
 
 import numpy as np
 
+from cpn.runtime.costmodel import BALANCE_THRESHOLD
 from layers.orchestration.planning import calibration
 from layers.orchestration.planning.ring import Key, best_ring, hops, link_index
 from layers.orchestration.planning.types import (
@@ -444,7 +445,7 @@ def _idle_compute(req: JobRequirements, used: list[Assignment], offers: Mapping[
             for a in used}
     slowest = min(rate.values())
     working = [a for a in used if rate[a.cluster] > slowest]
-    if not working:
+    if not working or max(rate.values()) <= BALANCE_THRESHOLD * slowest:  # the runtime's "equal": no trial
         return math.inf
     throughput = sum(a.gpus * rate[a.cluster] for a in working) * 1e12
     return flops_per_step(req) / throughput * host_stretch(sum(a.gpus for a in working), host_cores)

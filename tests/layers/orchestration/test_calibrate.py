@@ -31,3 +31,15 @@ def test_a_slow_site_holds_up_equal_shares_but_not_balanced_ones():
     equal, balanced = compare(bench(3, 1, rows, slow_site=2, slowdown=2.0))
     assert equal["predicted_s"] > 1.5 * balanced["predicted_s"]
     assert perf.host_stretch(3, 2.0) == 1.5 and perf.host_stretch(1, 2.0) == 1.0 and perf.host_stretch(8, None) == 1.0
+
+
+def test_on_shared_cores_the_balanced_split_is_priced_with_its_slowest_slot_idle():
+    """3 slots on 2 cores, slot 2 twice as slow: all three working share the cores (1.5x stretch) for
+    2.5 slots' throughput; the two fast ones alone run unstretched on 2 slots' throughput, which is the
+    faster (the runtime's idle trial keeps it). A slot only 1.2x slower counts as equal: not idled."""
+    rows = [row("auto", 10.0, "hierarchical, balanced shares")]
+    (slow,) = compare(bench(3, 1, rows, slow_site=2, slowdown=2.0))
+    (even,) = compare(bench(3, 1, rows))
+    (near,) = compare(bench(3, 1, rows, slow_site=2, slowdown=1.2))
+    assert slow["predicted_s"] == pytest.approx(even["predicted_s"], rel=0.05)  # F/(2t) both; without idle 1.2x
+    assert near["predicted_s"] > even["predicted_s"]  # all three work: the near-equal slot holds the step
