@@ -257,22 +257,48 @@ def quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list[
     GPU count, a lease, a learned factor) is a different key."""
     key = (req, offers if isinstance(offers, tuple) else tuple(offers),  # a tuple as given: it may hash once
            links if isinstance(links, tuple) else tuple(links), objective, solver)
-    with _QUOTE_LOCK:  # the API plans on worker threads (off its event loop): one memo, one writer at a time
-        hit = _QUOTE_MEMO.get(key)
-        if hit is not None:
-            _QUOTE_MEMO.move_to_end(key)
+    hit = _memo_or_claim(key)
     if hit is None:
-        hit = _quote_options(req, offers, links, objective, solver)  # unlocked: two plannings may overlap
-        with _QUOTE_LOCK:
-            _QUOTE_MEMO[key] = hit
-            while len(_QUOTE_MEMO) > QUOTE_MEMO_SIZE:
-                _QUOTE_MEMO.popitem(last=False)
+        try:
+            hit = _quote_options(req, offers, links, objective, solver)
+            _remember(key, hit)
+        finally:
+            _release(key)
     return copy.deepcopy(hit)
+
+
+def _memo_or_claim(key: tuple[Any, ...]) -> dict[str, Plan] | None:
+    """The memo's plans for ``key``; or None, and this thread plans them: the API plans on worker
+    threads (off its event loop), and callers with the same inputs wait for the one planning."""
+    while True:
+        with _QUOTE_LOCK:
+            hit = _QUOTE_MEMO.get(key)
+            if hit is not None:
+                _QUOTE_MEMO.move_to_end(key)
+                return hit
+            running = _PLANNING.get(key)
+            if running is None:
+                _PLANNING[key] = threading.Event()
+                return None
+        running.wait()  # then read the memo, or plan if that planning failed
+
+
+def _remember(key: tuple[Any, ...], plans: dict[str, Plan]) -> None:
+    with _QUOTE_LOCK:
+        _QUOTE_MEMO[key] = plans
+        while len(_QUOTE_MEMO) > QUOTE_MEMO_SIZE:
+            _QUOTE_MEMO.popitem(last=False)
+
+
+def _release(key: tuple[Any, ...]) -> None:
+    with _QUOTE_LOCK:
+        _PLANNING.pop(key).set()
 
 
 QUOTE_MEMO_SIZE = 64  # distinct (job, snapshot) plans kept; each is three small Plan objects
 _QUOTE_MEMO: OrderedDict[tuple[Any, ...], dict[str, Plan]] = OrderedDict()
 _QUOTE_LOCK = threading.Lock()
+_PLANNING: dict[tuple[Any, ...], threading.Event] = {}  # the keys being planned now
 
 
 def _quote_options(req: JobRequirements, offers: list[ClusterOffer], links: list[WanLink], objective: Objective,
