@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -201,6 +202,13 @@ async def requote(session: AsyncSession, job: JobRow, t: Timeouts, now: datetime
     return [quotes_mod.public(q) for q in saved]
 
 
+# Quotes are planned on threads of their own: a large job's planning (seconds at spec.model.layers near
+# its cap) must not hold the event loop, where every other user's requests and the sites' heartbeats
+# wait, nor the default pool, where token checks run. Two at a time; more queue.
+PLANNER_THREADS = 2
+_PLANNER = ThreadPoolExecutor(PLANNER_THREADS, thread_name_prefix="cpn-planner")
+
+
 async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeouts, now: datetime,
                         job_id: str | None = None, owner: tuple[str, str] | None = None,
                         profiled: ProfileStatus | None = None, market: capacity.OfferSet | None = None
@@ -218,10 +226,8 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
     req = replace(requirements(spec, now), learned=learned, data=need, profiled=profile.profiled(profiled))
     offers, wan = planner_inputs_of(market, spec.currency)
     links = market.links
-    # on a worker thread: a large job's planning (seconds at spec.model.layers near its cap) must not
-    # hold the event loop, where every other user's requests and the sites' heartbeats wait
-    plans = await asyncio.to_thread(placement.quote_options, req, offers, wan, objective(spec),
-                                    solver=solver_for(len(offers)))
+    plans = await asyncio.get_running_loop().run_in_executor(_PLANNER, functools.partial(
+        placement.quote_options, req, offers, wan, objective(spec), solver=solver_for(len(offers))))
     region_of, sellers, link_prices, link_owners = pricing_inputs(market)
     rows, refused = [], []
     for label, plan in plans.items():
