@@ -266,3 +266,16 @@ async def test_allocatable_over_reported_capacity_names_the_field_and_the_docume
     doc = await (await api.client.get("/api/v1/openapi.json")).json()
     schema = next(v for k, v in doc["components"]["schemas"].items() if k.startswith("HeartbeatRequest"))
     assert "at most capacityGpus" in schema["properties"]["allocatableGpus"]["description"]
+
+
+async def test_another_users_bad_job_body_is_not_found_not_checked(api) -> None:
+    """A job is invisible to other accounts: their PUT or PATCH of it, valid or not, finds nothing."""
+    from tests.api.test_jobs import job, register_world
+
+    await register_world(api)
+    assert (await api.client.post("/api/v1/jobs", json=job("mine"), headers=api.auth("alice"))).status == 201
+    for method, body in (("put", {"kind": "TrainingJob", "spec": {"tokens": "lots"}}), ("patch", {"spec": {"tokens": -1}})):
+        resp = await getattr(api.client, method)("/api/v1/jobs/mine", json=body, headers=api.auth("bob"))
+        assert resp.status == 404, (method, await resp.text())
+        resp = await getattr(api.client, method)("/api/v1/jobs/mine", json=body, headers=api.auth("alice"))
+        assert resp.status == 422, (method, await resp.text())

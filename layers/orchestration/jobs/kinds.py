@@ -54,6 +54,7 @@ class OrchestratedJobStore(JobStore):
 
     async def replace(self, session: AsyncSession, principal: Principal, name: str, body: Any,
                       *, check_version: bool = True) -> dict[str, Any]:
+        self.authorize_write(principal, await self.load(session, principal, name))  # before the body's checks
         self.check_code(principal, body)
         await super().replace(session, principal, name, body, check_version=check_version)
         job = await self.load(session, principal, name)
