@@ -12,8 +12,8 @@ the ranks take their shares again. A trial costs (1 − gain) of its window. One
 but came within :data:`RETRY_ABOVE` is repeated once (:data:`IDLE_TRIES`): on a shared host one
 window's rate moves by ±15 % with the neighbours' load, so a single window can say no by chance. On
 separate hardware the gain is the working ranks' part of the throughput: a site half as fast as one
-other measured 0.67 here (two emulated sites, a core each, 0.666 and 0.677), so it is tried once,
-costs a third of one window, and every site keeps working.
+other measured 0.67-0.76 here (two emulated sites, a core each; 0.667 in theory), so it is tried
+once, costs about a third of one window, and every site keeps working.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 # the idle split must make the job this much faster to stand. Measured on the straggler bench (three
-# emulated sites on two vCPUs, site 2 twice as slow): trial windows 1.06-1.27x faster than the window
-# before in nine runs of ten; the tenth measured 0.83x, in a window of a busy neighbour, and that whole
-# run took 1.15x longer than the runs that kept the idle split.
+# emulated sites on two vCPUs, site 2 twice as slow), by the windows' median step: 1.03-1.21x in nine
+# runs of nine. By their mean (tried first) one run of ten measured 0.83x in a busy neighbour's window,
+# and that whole run took 1.15x longer than the runs that kept the idle split.
 IDLE_GAIN = 1.02
 IDLE_TRIES = 2  # trials per job: one more after a trial that was not faster but came within RETRY_ABOVE
 RETRY_ABOVE = 0.85
