@@ -151,7 +151,7 @@ def run_benchmark(opts: BenchOptions, out_dir: Path, command: str = "") -> dict[
         run_dir = runs_dir / label
         summary = run_local(cfg, topology, wan_mbps=opts.wan_mbps, run_dir=run_dir, timeout=3 * 3600)
         summary["label"], summary["launch_seconds"] = label, round(time.monotonic() - t0, 1)
-        summary["resolved"] = explain(cfg) + IDLE_WORDS.get(summary.get("idle_trial"), "")
+        summary["resolved"] = explain(cfg) + idle_words(summary)
         summaries.append(summary)
     ddp = next((s for s in summaries if s["strategy"] == "ddp" and s["label"] == "ddp"), None)
     target = ddp["final_val_loss"] if ddp else None
@@ -223,8 +223,12 @@ def _table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-# what the balanced strategy's trial of its slowest ranks idle decided (cpn/runtime/strategies/idle.py)
-IDLE_WORDS = {"kept": ", slowest ranks idle (tried: faster)", "dropped": ", every rank works (idle tried: not faster)"}
+def idle_words(summary: dict[str, Any]) -> str:
+    """What the run's trial of its slowest ranks idle decided, in words ("" without one)."""
+    # imported here: the strategies import torch, and `cpn --help` loads this module
+    from cpn.runtime.strategies.idle import IDLE_WORDS
+
+    return IDLE_WORDS.get(summary.get("idle_trial"), "")
 
 
 def write_markdown(out_dir: Path) -> Path:

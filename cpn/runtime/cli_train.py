@@ -179,8 +179,9 @@ def train_cmd(ctx: click.Context, sites: int, workers_per_site: int, wan_mbps: f
         click.echo(json.dumps({**{k: v for k, v in summary.items() if k != "val_curve"}, "resolved": explain(cfg, topology)}, indent=2))
     else:
         shares = f" (last split {summary['shares']} sequences per rank)" if summary.get("shares") else ""
-        if summary.get("idle_trial") == "kept":
-            shares += "; the ranks with 0 ran faster idle, tried once and kept"
+        from cpn.runtime.strategies.idle import IDLE_WORDS  # torch is loaded by now; `cpn --help` must not
+
+        shares += IDLE_WORDS.get(summary.get("idle_trial"), "")
         click.echo(f"{explain(cfg, topology)}{shares}: {summary['tokens']} tokens in {summary['wall_seconds']:.1f}s, "
                    f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}, "
                    f"WAN {summary['wan_bytes'] / 1e6:.1f} MB, compute utilisation {summary['compute_utilization']:.2f}")

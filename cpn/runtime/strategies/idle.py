@@ -31,6 +31,11 @@ IDLE_TRIES = 2  # trials per job: one more after a trial that was not faster but
 RETRY_ABOVE = 0.85
 
 
+# what a run summary's ``idle_trial`` says, in words (the bench's "resolved to" column, ``cpn train``)
+IDLE_WORDS = {"kept": ", slowest ranks idle (tried: faster)", "dropped": ", every rank works (idle tried: not faster)",
+              "trying": ", slowest ranks idle on trial when the run ended"}
+
+
 class TrialState(StrEnum):
     READY = "ready"  # not tried yet
     TRYING = "trying"  # the current window runs the slowest class idle
