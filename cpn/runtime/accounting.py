@@ -59,10 +59,9 @@ def _peer_ip(column: str) -> str:
     return host.removeprefix("::ffff:")
 
 
-def socket_bytes_by_peer(pid: int | None = None, *, retransmitted: bool = False) -> dict[tuple[str, str], int]:
-    """``{(local, peer): payload bytes sent}`` for the TCP sockets ``pid`` (default: this process) owns;
-    with ``retransmitted``, the bytes sent again instead."""
-    return parse_ss(_ss(), os.getpid() if pid is None else pid, retransmitted=retransmitted)
+def socket_bytes_by_peer(pid: int | None = None) -> dict[tuple[str, str], int]:
+    """``{(local, peer): payload bytes sent}`` for the TCP sockets ``pid`` (default: this process) owns."""
+    return parse_ss(_ss(), os.getpid() if pid is None else pid)
 
 
 def _ss() -> str:

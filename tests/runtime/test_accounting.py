@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from cpn.runtime.accounting import ByteCount, Meter, classify, cross_check, parse_ss
 from cpn.runtime.collectives import allreduce, broadcast_from_site_leader, site_allreduce, wan_allreduce
+from cpn.runtime.costmodel import _ETH_OVERHEAD  # 66 header bytes per 1448-byte segment
 from cpn.runtime.groups import init_groups, shutdown
 
 PAYLOAD = 2**20  # bytes; 2**18 float32, divisible by every S, W used here
@@ -57,7 +58,7 @@ def accounting_worker() -> list[str]:
 # Frames on a veth, per payload byte, at most: 66 header bytes per 1448-byte segment when each segment is
 # its own frame (tbf splits a GSO packet larger than its burst), plus one 66-byte ACK per two segments
 # the site receives.  With GSO intact it is about 1.005 (measured here); CI once saw 1.050.
-WIRE_PER_PAYLOAD = 1 + 1.5 * 66 / 1448
+WIRE_PER_PAYLOAD = 1 + 1.5 * (_ETH_OVERHEAD - 1)
 
 
 def _veth_problems(name: str, seen: int, payload: int, again: int) -> list[str]:
