@@ -33,7 +33,7 @@ from typing import IO, Any
 
 import httpx
 
-from cpn.runtime import bundle, checkpoint
+from cpn.runtime import bundle, checkpoint, sandbox
 from cpn.runtime.config import FINAL_MODEL
 from cpn.runtime.contract import ENV, AttemptSpec, worker_env
 from cpn.runtime.ranklog import rank_prefix
@@ -238,22 +238,49 @@ def push_final(spec: AttemptSpec, run_dir: Path, client: httpx.Client | None) ->
     return True
 
 
+@dataclass(frozen=True)
+class Jail:
+    """How the workers run: as the job's own uid in their own mount namespace (the local driver as
+    root sets ``CPN_RUN_AS``), else as this process's user; their HOME in the job's folder."""
+
+    run_as: sandbox.RunAs | None = None
+    home: Path | None = None
+    cover: dict[Path, list[Path]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, job_dir: Path) -> Jail:
+        run_as = sandbox.RunAs.parse(os.environ.get(sandbox.ENV_RUN_AS))
+        if run_as is None:
+            return cls()
+        home = sandbox.own(job_dir / "home", run_as, 0o700, user=True)
+        sandbox.own(home / "tmp", run_as, 0o700, user=True)
+        return cls(run_as, home, sandbox.views(sandbox.needed_paths(job_dir)))
+
+    def preexec(self, cwd: Path) -> Any:
+        if self.run_as is None:
+            return None
+        run_as, cover = self.run_as, self.cover
+        return lambda: sandbox.enter(run_as, cover, cwd)
+
+
 def _start(spec: AttemptSpec, run_dir: Path, ckpt: Path, code: Path | None = None,
-           tee: bool = False) -> list[Worker]:
-    """One process per rank of `spec`, with :func:`worker_env`'s environment; with `tee` their output
-    also goes to this process's stdout, prefixed with the rank (a pod's log)."""
-    log_dir = run_dir / f"site-{spec.site_index}"
-    log_dir.mkdir(parents=True, exist_ok=True)
+           tee: bool = False, jail: Jail | None = None) -> list[Worker]:
+    """One process per rank of `spec`, with :func:`worker_env`'s environment built on an allow-list of
+    this process's (:func:`cpn.runtime.sandbox.worker_base`) and, in a `jail`, as the job's uid; with
+    `tee` their output also goes to this process's stdout, prefixed with the rank (a pod's log)."""
+    jail = jail or Jail()
+    log_dir = sandbox.own(run_dir / f"site-{spec.site_index}", jail.run_as, 0o2750)
     workers = []
     module = "cpn.train.run" if code is not None else "cpn.runtime.train"
+    base = sandbox.worker_base(dict(os.environ), jail.home)
     for rank in spec.ranks:
-        env = worker_env(spec, rank, run_dir=str(run_dir), checkpoint_dir=str(ckpt),
+        env = worker_env(spec, rank, run_dir=str(run_dir), checkpoint_dir=str(ckpt), base=base,
                          extra={ENV.CODE_DIR: str(code)} if code is not None else None)
         log_path = log_dir / f"rank{rank}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", module], env=env,
                                     stdout=subprocess.PIPE if tee else log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, cwd=str(run_dir))
+                                    start_new_session=True, cwd=str(run_dir), preexec_fn=jail.preexec(run_dir))
         worker = Worker(rank, proc, log_path)
         if tee:
             assert proc.stdout is not None
@@ -323,13 +350,18 @@ def supervise(spec: AttemptSpec, run_dir: Path, job_dir: Path | None = None, *, 
     reports for it: 0 when every worker succeeded, else the first failed worker's (128+N for signal N)."""
     client = _client(spec)
     job_dir = job_dir or run_dir.parent.parent  # local: one folder per job, shared by its attempts
-    ckpt = job_dir / "checkpoints"
+    jail = Jail.of(job_dir)
+    ckpt = sandbox.own(job_dir / "checkpoints", jail.run_as, 0o2770)
     sync = CheckpointSync(ckpt, spec, client)
     spec, note = _prepare(spec, sync)
+    sandbox.share_tree(ckpt, jail.run_as, writable=True)
     if note:
         print(note, flush=True)
     code = fetch_code(spec, job_dir, client)
-    workers = _start(spec, run_dir, ckpt, code, tee=tee)
+    if code is not None:
+        sandbox.own(code.parent, jail.run_as, 0o2750)
+        sandbox.share_tree(code, jail.run_as)
+    workers = _start(spec, run_dir, ckpt, code, tee=tee, jail=jail)
     relay = Relay(run_dir, spec, client)
     stop: dict[str, str | None] = {"why": None}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(why="Cancelled"))
@@ -426,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         print("--pod-index and --ranks-per-pod go together", file=sys.stderr)
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
+    sandbox.make_undumpable()  # it holds the worker token: not readable through /proc by the workers
+    if os.environ.get(sandbox.ENV_RUN_AS):
+        os.umask(0o027)  # what it writes the job's group may read (the folders are setgid), nobody else
     try:
         spec = AttemptSpec.model_validate_json((args.contract or run_dir / "spec.json").read_text())
         if pod:

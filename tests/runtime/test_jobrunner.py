@@ -82,7 +82,7 @@ def test_the_sub_task_ends_only_after_its_last_metrics_are_sent(tmp_path: Path,
         return httpx.Response(200, json={"accepted": 1})
 
     def start(spec: AttemptSpec, run_dir: Path, ckpt: Path, code: Path | None = None,
-              tee: bool = False) -> list[jobrunner.Worker]:
+              tee: bool = False, jail: jobrunner.Jail | None = None) -> list[jobrunner.Worker]:
         # a worker that writes its final report and exits at once, as a short run's rank does
         script = ("import json, pathlib; p = pathlib.Path('metrics'); p.mkdir(exist_ok=True); "
                   "(p / 'rank0.jsonl').write_text(json.dumps({'rank': 0, 'site': 0, 'step': 5, 'final': True}) + '\\n')")

@@ -11,13 +11,20 @@ agent finds them again from the run directories under its state directory.
 
 The runner gets the agent's environment without the provider's token: it reads the per-attempt
 worker token from spec.json, and its workers get neither (:func:`cpn.runtime.contract.worker_env`).
+When the agent is root, each job's workers run as a uid of their own in a private mount namespace
+(:mod:`cpn.runtime.sandbox`: the folders' owners and modes are drawn there), and a job's folder is
+deleted, its uid given back and any process left running as it killed, once its runs have ended and
+were reported (``keep_runs`` keeps them for inspection; a run whose outputs the server never
+confirmed is kept, so that nothing trained is lost).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,13 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cpn.runtime import sandbox
 from cpn.runtime.contract import ENV, AttemptSpec
 from layers.resource.drivers.base import LogLine, SubtaskState
+
+log = logging.getLogger("cpn.agent")
 
 RUNNER_DONE = ("Finished", "Cancelled", "Error", "TimedOut")
 MAX_LOG_BYTES = 256 * 1024  # per poll and rank: a chatty worker cannot flood the agent's report
 RUNNER_MODULE = "cpn.runtime.jobrunner"
-AGENT_SECRETS = frozenset({"CPN_TOKEN", ENV.METRICS_TOKEN})  # the provider's token (`cpn agent` reads CPN_TOKEN)
+AGENT_SECRETS = frozenset({"CPN_TOKEN", "CPN_TOKEN_FILE", ENV.METRICS_TOKEN})  # the provider's token and its file
 
 
 def run_dir(state_dir: Path, spec: AttemptSpec) -> Path:
@@ -90,13 +100,34 @@ def pid_alive(pid: int) -> bool:
 class LocalDriver:
     name = "local"
 
-    def __init__(self, state_dir: Path, env: dict[str, str] | None = None):
-        self.state_dir, self.env = state_dir, env or {}
+    def __init__(self, state_dir: Path, env: dict[str, str] | None = None, *, keep_runs: bool = False,
+                 isolate: bool | None = None):
+        """`isolate`: run each job as a uid of its own (default: when the agent is root)."""
+        self.state_dir, self.env, self.keep_runs = state_dir, env or {}, keep_runs
+        self.isolate = sandbox.available() if isolate is None else isolate
+        if not self.isolate:
+            log.warning("local driver: %s", sandbox.no_sandbox_warning())
+
+    def _folders(self, directory: Path) -> sandbox.RunAs | None:
+        """The job's folder, its attempt's and the run's, owned as the sandbox draws them."""
+        job_dir = directory.parent.parent
+        runs = job_dir.parent
+        runs.mkdir(parents=True, exist_ok=True)
+        if not self.isolate:
+            directory.mkdir(parents=True, exist_ok=True)
+            return None
+        os.chmod(runs, 0o711)
+        job_dir.mkdir(mode=0o700, exist_ok=True)
+        run_as = sandbox.allocate(job_dir)
+        sandbox.own(job_dir, run_as, 0o2750)
+        sandbox.own(directory.parent, run_as, 0o2750)
+        sandbox.own(directory, run_as, 0o3770)
+        return run_as
 
     async def launch(self, spec: AttemptSpec) -> dict[str, Any]:
         directory = run_dir(self.state_dir, spec)
         handle = {"runDir": str(directory)}
-        directory.mkdir(parents=True, exist_ok=True)
+        run_as = self._folders(directory)
         try:  # the lock makes the launch happen once, whoever asks again and whenever
             fd = os.open(directory / "launch.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
@@ -110,7 +141,7 @@ class LocalDriver:
         with open(directory / "runner.log", "ab") as log:
             proc = subprocess.Popen(runner_argv(directory), stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, cwd=str(directory),
-                                    env=runner_env(dict(os.environ), self.env))
+                                    env=runner_env(dict(os.environ), {**self.env, **_run_as_env(run_as)}))
         (directory / "runner.pid").write_text(str(proc.pid))
         return handle
 
@@ -139,6 +170,32 @@ class LocalDriver:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
 
+    async def cleanup(self, spec: AttemptSpec, handle: dict[str, Any]) -> bool:
+        """Delete a run that has ended and was reported, and its job's folder with the last one (its
+        uid's processes killed, the uid given back). False when it stays: kept on purpose, still
+        running, or holding outputs the server never confirmed."""
+        directory = Path(handle["runDir"])
+        if self.keep_runs or not directory.exists() or runner_pid(directory) is not None:
+            return False
+        status = _read_json(directory / "status.json") or {}
+        if status.get("outputs") == "unsaved":
+            log.warning("keeping %s: it holds outputs the server did not confirm (%s)", directory,
+                        status.get("message", ""))
+            return False
+        shutil.rmtree(directory, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            directory.parent.rmdir()  # the attempt's folder, once empty
+        job_dir = directory.parent.parent
+        if any(job_dir.glob("attempt-*/*")):
+            return True
+        run_as = sandbox.RunAs.parse(_read_text(job_dir / ".run-as"))
+        if run_as is not None:
+            sandbox.kill_all(run_as.uid)  # anything the job's code left behind, in any session
+        shutil.rmtree(job_dir, ignore_errors=True)
+        if run_as is not None:
+            sandbox.release(run_as, job_dir)
+        return True
+
     async def adopt(self) -> list[tuple[AttemptSpec, dict[str, Any]]]:
         found = []
         for spec_path in sorted((self.state_dir / "runs").glob("*/attempt-*/*/spec.json")):
@@ -166,6 +223,17 @@ class LocalDriver:
             cursor[str(rank)] = offset + end
             out += [LogLine(rank, line) for line in data[:end].decode(errors="replace").splitlines()]
         return out, cursor
+
+
+def _run_as_env(run_as: sandbox.RunAs | None) -> dict[str, str]:
+    return {sandbox.ENV_RUN_AS: str(run_as)} if run_as is not None else {}
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
 
 
 def _message(codes: dict[str, Any]) -> str:
