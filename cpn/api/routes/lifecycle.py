@@ -23,7 +23,7 @@ from cpn.api.routes.system import REFRESH
 from cpn.core import errors
 from cpn.core.principal import Role
 from cpn.runtime.contract import AttemptSpec
-from layers.orchestration.lifecycle import agents, checkpoints, learning, logs, metering, views
+from layers.orchestration.lifecycle import agents, checkpoints, learning, logs, metering, metric_series, views
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
 from layers.service.contracts import contract_of
 from layers.service.jobs import TERMINAL, JobStore, job_key, load_job
@@ -117,11 +117,13 @@ async def post_subtask_logs(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- workers
 async def post_metrics(request: web.Request) -> web.Response:
     body = await read_model(request, MetricsBatch)
+    metering.check_reports(body.reports)  # NaN, Infinity, negative: 422 naming the field
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
         job = await load_job(s, principal, request.match_info["name"], lock=True)
         if job.phase not in ("Launching", "Running", "Profiling"):
             return json_response({"accepted": 0, "phase": job.phase})
+        await agents.check_worker(s, principal, job, body.reports)
         taken = await metering.ingest(s, job, await contract_of(s, job), body.reports)
     return json_response({"accepted": taken})
 
@@ -164,10 +166,19 @@ async def get_checkpoint(request: web.Request) -> web.StreamResponse:
 
 # ---------------------------------------------------------------- users
 async def get_metrics(request: web.Request) -> web.Response:
+    """The run downsampled (`maxPoints`), its totals, and the raw reports after the cursor
+    (`sinceAttempt`, `sinceStep`; at most `maxReports`): see :mod:`metric_series`."""
+    try:
+        query = metric_series.SeriesQuery(
+            max_points=_int(request, "maxPoints", metric_series.DEFAULT_MAX_POINTS, high=metric_series.MAX_POINTS) or 0,
+            since_attempt=_int(request, "sinceAttempt", 0) or 0,
+            since_step=_int(request, "sinceStep", -1, low=-1, high=2**63 - 1) or 0,
+            limit=_int(request, "maxReports", metric_series.PAGE_ROWS, high=metric_series.PAGE_ROWS) or 0)
+    except ValueError as exc:
+        raise errors.InvalidInput(str(exc), field=str(exc).split()[0]) from None
     async with request.app[state.DB].session() as s:
         job = await load_job(s, principal_of(request), request.match_info["name"])
-        items = await views.metrics(s, job.name)
-    return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
+        return json_response(await metric_series.read(s, job.name, query))
 
 
 async def post_cancel(request: web.Request) -> web.Response:
@@ -290,8 +301,10 @@ def setup(app: web.Application) -> None:
                                      "SubTask", request=agents.LogBatch, params=("uid",))),
         (post_metrics, RouteDoc("POST", "/api/v1/jobs/{name}/metrics", "Worker metric reports (worker token)",
                                 "TrainingJob", request=MetricsBatch, params=("name",))),
-        (get_metrics, RouteDoc("GET", "/api/v1/jobs/{name}/metrics", "A job's metric reports", "TrainingJob",
-                               params=("name",))),
+        (get_metrics, RouteDoc("GET", "/api/v1/jobs/{name}/metrics", "A job's metrics: the run downsampled "
+                               "(min/mean/max per step range, the newest step exact), totals, and the raw "
+                               "reports after a cursor", "TrainingJob", params=("name",),
+                               query=("maxPoints", "sinceAttempt", "sinceStep", "maxReports"))),
         (get_checkpoint_latest, RouteDoc("GET", "/api/v1/jobs/{name}/checkpoints/latest",
                                          "The newest complete checkpoint", "TrainingJob", params=("name",),
                                          later=True)),
