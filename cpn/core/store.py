@@ -22,6 +22,7 @@ from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 from cpn.core import errors
 from cpn.core.db import JSONType, Tracked, as_utc, new_uid
 from cpn.core.principal import Principal, Role
+from cpn.core.selector import matches, parse_selector
 
 
 class ResourceRow(Tracked):
@@ -64,11 +65,6 @@ def split_key(key: str) -> tuple[str | None, str]:
     return (namespace, name) if sep else (None, key)
 
 
-SELECTOR_HELP = ("a label selector is a comma-separated list of key=value, key!=value, key in (a,b), "
-                 "key notin (a,b), key (exists) or !key (absent)")
-Term = tuple[str, str, frozenset[str] | None]
-
-
 def _check_read_only(body: dict[str, Any]) -> None:
     """Read-only parts (status, metadata.uid/creationTimestamp/owner) are ignored on input, but only
     when they have the shape the server returns them in: anything else is a client's mistake."""
@@ -91,66 +87,6 @@ def _check_read_only(body: dict[str, Any]) -> None:
         if not ok:
             raise errors.InvalidInput(f"{k} is read-only: leave it out or give the value the server returned, "
                                       f"not {value!r:.40}", field=f"metadata.{k}")
-
-
-def _split_terms(text: str) -> list[str]:
-    """Split on commas outside parentheses: `team in (nlp,cv),env=prod` has two terms."""
-    terms, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth < 0:
-            raise errors.InvalidInput(f"unbalanced ')' in label selector {text!r}; {SELECTOR_HELP}",
-                                      field="labelSelector")
-        if ch == "," and depth == 0:
-            terms.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise errors.InvalidInput(f"unclosed '(' in label selector {text!r}; {SELECTOR_HELP}", field="labelSelector")
-    return [t.strip() for t in [*terms, text[start:]] if t.strip()]
-
-
-def _term(term: str) -> Term:
-    words = term.split(None, 1)
-    if len(words) == 2 and words[1].split(None, 1)[0] in ("in", "notin"):
-        op, _, rest = words[1].partition(" ")
-        rest = rest.strip()
-        if not (rest.startswith("(") and rest.endswith(")")):
-            raise errors.InvalidInput(f"{term!r}: write the values in parentheses, e.g. {words[0]} {op} (a,b)",
-                                      field="labelSelector")
-        values = frozenset(v.strip() for v in rest[1:-1].split(",") if v.strip())
-        return words[0], op, values
-    if "!=" in term:
-        key, value = term.split("!=", 1)
-        return key.strip(), "!=", frozenset({value.strip()})
-    if "=" in term:
-        key, value = term.replace("==", "=").split("=", 1)
-        return key.strip(), "=", frozenset({value.strip()})
-    if term.startswith("!"):
-        return term[1:].strip(), "absent", None
-    if " " in term or "(" in term:
-        raise errors.InvalidInput(f"cannot read {term!r}; {SELECTOR_HELP}", field="labelSelector")
-    return term, "exists", None
-
-
-def parse_selector(text: str | None) -> list[Term]:
-    """`a=b,c!=d,e in (x,y),f notin (z),g,!h` → terms as Kubernetes reads them (equality and set-based)."""
-    out = [_term(t) for t in _split_terms(text or "")]
-    for key, _, _ in out:
-        if not key:
-            raise errors.InvalidInput(f"empty key in label selector; {SELECTOR_HELP}", field="labelSelector")
-    return out
-
-
-def matches(labels: dict[str, str], selector: list[Term]) -> bool:
-    for key, op, values in selector:
-        value = labels.get(key)
-        if op in ("=", "in") and value not in (values or ()):
-            return False
-        if op in ("!=", "notin") and value in (values or ()):
-            return False
-        if op == "exists" and key not in labels or op == "absent" and key in labels:
-            return False
-    return True
 
 
 def encode_continue(name: str) -> str:
