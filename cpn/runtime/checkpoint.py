@@ -149,3 +149,58 @@ def load(root: str | Path, site: int, stand_in: Callable[[int], bool] | None = N
                   if s in info["sites"] and (directory / f"site{s}.pt").exists()), None)
     site_state = torch.load(found, weights_only=False, map_location="cpu") if found is not None else None
     return info["step"], site_state, torch.load(directory / "global.pt", weights_only=False, map_location="cpu")
+
+
+# ----------------------------------------------------------------------------- sharded (shard="site")
+# A sharded run's checkpoint is one torch.distributed.checkpoint (DCP) save over the whole job, in
+# the step's folder: ``step-N/.metadata`` and ``step-N/__<rank>_<i>.distcp``. Each site's ranks write
+# their shards of the site's model and optimiser under ``site<K>/``, site 0's ranks also the state
+# all sites share under ``global/`` (DiLoCo's outer parameters and momentum); ``latest.json`` says
+# ``"format": "dcp"`` and lists the files. DCP records every tensor's global shape and each shard's
+# offsets, so a run on another number of ranks per site (or of sites: a site not in the checkpoint
+# starts from site 0's) loads it: each rank reads the parts of the tensors it now holds.
+DCP_FORMAT = "dcp"
+
+
+def is_sharded_checkpoint(root: str | Path) -> bool:
+    info = latest(root)
+    return bool(info) and info.get("format") == DCP_FORMAT
+
+
+def save_sharded(root: Path, step: int, state: dict[str, Any], *, group: dist.ProcessGroup, is_rank0: bool,
+                 sites: list[int]) -> None:
+    """Every rank of the job: write ``state`` (this rank's DTensor shards, under ``site<K>/`` and
+    ``global/``) with DCP; rank 0 then moves ``latest.json`` (the save ends with rank 0 writing the
+    metadata after every rank's files, so it never points at a half-written step)."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = step_dir(Path(root), step)
+    directory.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, checkpoint_id=str(directory), process_group=group)
+    if is_rank0:
+        files = sorted(p.name for p in directory.iterdir() if p.is_file())
+        atomic_write_json({"step": step, "sites": sites, "format": DCP_FORMAT, "files": files}, Path(root) / LATEST)
+
+
+def load_sharded(root: str | Path, template: Callable[[list[int]], dict[str, Any]], *,
+                 group: dist.ProcessGroup) -> tuple[int, dict[str, Any]] | None:
+    """(step, state) of the latest sharded checkpoint, read into ``template(sites)`` (the tensors
+    this rank holds now, as DTensors, keyed as they were saved; filled in place), or None."""
+    import torch.distributed.checkpoint as dcp
+
+    info = latest(root)
+    if info is None:
+        return None
+    if info.get("format") != DCP_FORMAT:
+        raise ValueError(f"the checkpoint under {root} is not sharded: resume it with shard='none' (--shard none)")
+    state = template(list(info["sites"]))
+    dcp.load(state, checkpoint_id=str(step_dir(Path(root), info["step"])), process_group=group)
+    return info["step"], state
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The whole model's state dict on the host (a collective over the model's site: every rank of
+    it calls; all get it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

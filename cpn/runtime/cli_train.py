@@ -16,7 +16,7 @@ import click
 from click.core import ParameterSource
 from pydantic import ValidationError
 
-from cpn.runtime.config import StrategyName, TrainConfig
+from cpn.runtime.config import AUTO, StrategyName, TrainConfig, auto_shard
 from cpn.runtime.topology import Topology
 
 # flag name -> (config path, click option kwargs)
@@ -55,6 +55,12 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
                                            "sites/stages replicas of the pipeline, averaged every --inner-steps)"}),
     "micro_batches": ("strategy.micro_batches", {"type": int, "default": 8, "help": "pipeline: micro-batches per rank and step"}),
     "wan_timeout": ("strategy.wan_timeout_seconds", {"type": float, "default": 60.0, "help": "seconds before a silent site is dropped"}),
+    "shard": ("shard", {"type": click.Choice(["auto", "none", "site"]), "default": "auto",
+                        "help": "site: shard the model over each site's workers (FSDP2); auto: site for a real-size "
+                                "model (>= 500 M parameters) with > 1 worker per site, else none"}),
+    "activation_checkpointing": ("activation_checkpointing", {
+        "type": click.Choice(["auto", "none", "full"]), "default": "auto",
+        "help": "full: recompute each block's activations in backward; auto: full for a real-size model"}),
     "val_every": ("val_every", {"type": int, "default": 50}),
     "seed": ("seed", {"type": int, "default": 0}),
     "slow_site": ("faults.slow_site", {"type": int, "default": None}),
@@ -164,6 +170,11 @@ def train_cmd(ctx: click.Context, sites: int, workers_per_site: int, wan_mbps: f
         saved_topo = Path(resume) / "topology.json"
         if saved_topo.exists() and not {"sites", "workers_per_site"} & _explicit(ctx):
             topology = Topology.model_validate_json(saved_topo.read_text())
+    shard, recompute = auto_shard(values["model"] if "model" in explicit or not base else base.get("model", ""),
+                                  min(site.ranks for site in topology.sites))
+    values = {**values, "shard": shard if values["shard"] == AUTO else values["shard"],
+              "activation_checkpointing": recompute if values["activation_checkpointing"] == AUTO
+              else values["activation_checkpointing"]}
     cfg = build_config(values, base, explicit)
     cfg = cfg.model_copy(update={"resume": resume, "checkpoint_dir": cfg.checkpoint_dir or resume})
     try:

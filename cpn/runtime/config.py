@@ -32,6 +32,37 @@ Compression = Literal["none", "fp16", "bf16", "int8"]
 AUTO = "auto"
 DeviceKind = Literal["auto", "cuda", "cpu"]
 Precision = Literal["auto", "bf16", "fp32"]
+Shard = Literal["none", "site"]
+ActivationCheckpointing = Literal["none", "full"]
+# strategies that run on a model sharded over each site's ranks (shard="site", FSDP2): the site's
+# reduce-scatter happens in backward, then ddp/hierarchical all-reduce each gradient shard with the
+# same-index rank of every other site, diloco/local_sgd exchange each rank's own shard of the
+# pseudo-gradient. One torch-free source: the planner offers only these pairs.
+SHARDABLE_STRATEGIES: tuple[str, ...] = ("ddp", "hierarchical", "local_sgd", "diloco")
+# why each other strategy is refused with shard="site" (one line each, shown as is)
+UNSHARDABLE_REASONS: dict[str, str] = {
+    "gossip": "gossip averages whole models with neighbour sites at its own pace",
+    "ssp": "ssp exchanges whole models between sites at their own pace",
+    "async_ps": "the parameter servers hold the whole model and its optimiser",
+    "ps_sync": "the parameter servers hold the whole model and its optimiser",
+    "ps_backup": "the parameter servers hold the whole model and its optimiser",
+    "pipeline": "a pipeline stage is not sharded over its site's ranks yet",
+}
+
+
+REAL_SHAPE_PARAMETERS = 500_000_000  # from here on a model is a "real shape": `auto` shards it and recomputes
+
+
+def auto_shard(model: str, workers_per_site: int) -> tuple[str, str]:
+    """``cpn train``'s ``--shard auto`` / ``--activation-checkpointing auto`` as (shard, activation
+    checkpointing): ``site`` + ``full`` for a model of at least :data:`REAL_SHAPE_PARAMETERS` (a Llama
+    real shape: its state does not fit one device) when a site has more than one worker, else
+    ``none``/``none``. Jobs get the memory-aware choice from the planner instead."""
+    from cpn.runtime.presets import PRESETS
+
+    preset = PRESETS.get(model)
+    real = preset is not None and preset.parameters >= REAL_SHAPE_PARAMETERS
+    return ("site" if real and workers_per_site > 1 else "none"), ("full" if real else "none")
 
 
 def trim_shares(tokens: int, shares: list[int], seq_len: int) -> list[int]:
@@ -192,6 +223,11 @@ class TrainConfig(_Model):
     checkpoint_dir: str | None = None
     resume: str | None = None
     stop_at_step: int | None = Field(None, ge=1, description="stop early (simulates an interrupted run)")
+    shard: Shard = Field("none", description="site: parameters, gradients and optimiser state sharded over the "
+                                             "ranks of each site (FSDP2, one unit per block); none: every rank "
+                                             "holds the whole model")
+    activation_checkpointing: ActivationCheckpointing = Field(
+        "none", description="full: recompute each block's activations in backward (about one more forward)")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -204,6 +240,11 @@ class TrainConfig(_Model):
                 f"global_batch_tokens {self.global_batch_tokens} is not a multiple of seq_len {self.seq_len}: "
                 f"use {self.global_batch_tokens // self.seq_len * self.seq_len or self.seq_len}"
             )
+        if self.shard == "site":
+            name = self.strategy.name
+            if name not in (*SHARDABLE_STRATEGIES, AUTO):
+                raise ValueError(f"strategy {name!r} cannot run with shard='site' ({UNSHARDABLE_REASONS[name]}): "
+                                 f"use shard='none' or one of {', '.join(SHARDABLE_STRATEGIES)}")
         return self
 
     @property

@@ -61,6 +61,7 @@ def preflight(config: TrainConfig, topology: Topology, *, builtin_model: bool = 
     if s.name == "hierarchical" and not topology.is_uniform:
         raise ValueError(f"hierarchical needs the same number of workers at every site, got "
                          f"{[x.ranks for x in topology.sites]}: use ddp or even out the sites")
+    check_shard(config, topology)
     for name, site in (("faults.slow_site", f.slow_site), ("faults.kill_site", f.kill_site)):
         if site is not None and site >= sites:
             raise ValueError(f"{name} {site} is not one of the {sites} sites (0..{sites - 1})")
@@ -68,6 +69,24 @@ def preflight(config: TrainConfig, topology: Topology, *, builtin_model: bool = 
     if shard <= config.seq_len + 1:
         raise ValueError(f"each of {world} workers would get {shard} bytes of corpus, too few for seq_len "
                          f"{config.seq_len}: raise corpus_bytes or use fewer workers")
+
+
+def check_shard(config: TrainConfig, topology: Topology) -> None:
+    """``shard="site"`` on ``topology``: equal sites of more than one rank (a resumed run may go down to
+    one: a sharded checkpoint loads on any number); a sharded checkpoint resumes only sharded."""
+    from cpn.runtime.checkpoint import is_sharded_checkpoint
+
+    if config.resume and is_sharded_checkpoint(config.resume) and config.shard != "site":
+        raise ValueError(f"the checkpoint under {config.resume} is sharded: resume it with shard='site' (--shard site)")
+    if config.shard != "site":
+        return
+    ranks = [site.ranks for site in topology.sites]
+    if len(set(ranks)) > 1:
+        raise ValueError(f"shard='site' needs the same number of workers at every site, got {ranks}: even out the "
+                         "sites or use --shard none")
+    if ranks[0] == 1 and not config.resume:
+        raise ValueError("shard='site' shards the model over the workers of a site: with one worker per site it "
+                         "saves nothing; use --shard none or --workers-per-site 2 or more")
 
 
 _FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')

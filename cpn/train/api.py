@@ -217,7 +217,13 @@ class Trainer:
         if job.checkpoint_dir is not None and groups.rank == 0:  # what `cpn train --resume DIR` restarts from
             checkpoint.atomic_write_json(cfg.model_dump(), job.checkpoint_dir / "config.json")
             checkpoint.atomic_write_json(groups.topology.model_dump(), job.checkpoint_dir / "topology.json")
-        if cfg.resume:
+        if cfg.resume and self.strategy.sharded:  # a DCP checkpoint, resharded onto this run's ranks
+            loaded = checkpoint.load_sharded(cfg.resume, self.strategy.sharded_template, group=groups.world)
+            if loaded is None:
+                raise FileNotFoundError(f"no checkpoint under {cfg.resume}: check --resume (it needs a latest.json)")
+            self.strategy.load_sharded_state(loaded[1])
+            self.strategy.start_step = loaded[0]
+        elif cfg.resume:
             restored = checkpoint.load(cfg.resume, groups.site, self.strategy.shares_state_with)
             if restored is None:
                 raise FileNotFoundError(f"no checkpoint under {cfg.resume}: check --resume (it needs a latest.json)")
@@ -290,7 +296,8 @@ class Trainer:
                 self.strategy.feed = (inputs, targets)
             value = self.strategy.forward_backward(self._step)
         elif loss is not None:
-            loss.backward()
+            weight = self.strategy.loss_weight()  # 1, but on a sharded model (its site averages in backward)
+            (loss if weight == 1.0 else loss * weight).backward()
             value = float(loss.detach().item())
         else:
             value = None
@@ -389,6 +396,10 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         ctx = self.ctx
+        if self.strategy.sharded:
+            checkpoint.save_sharded(ctx.checkpoint_dir, self._step, self.strategy.sharded_state(),  # type: ignore[arg-type]
+                                    group=ctx.groups.world, is_rank0=ctx.rank == 0, sites=self.strategy.live_sites())
+            return
         commit = checkpoint.save(ctx.checkpoint_dir, self._step, site=ctx.site, is_leader=ctx.is_leader,  # type: ignore[arg-type]
                                  is_rank0=ctx.rank == 0, site_state=self.strategy.site_state(),
                                  global_state=self.strategy.global_state() if ctx.rank == 0 else {},
@@ -412,7 +423,11 @@ class Trainer:
             self.strategy.progress = cfg.tokens_through(self._step) / cfg.tokens
         self._final = self._emit(train_loss=None, final=True)
         self.recorder.flush()  # kept open: the user may still report (e.g. a last val_loss)
-        if self.ctx.rank == 0 and self.job.run_dir is not None:
+        if self.strategy.sharded and self.ctx.site == 0 and self.job.run_dir is not None:
+            weights = checkpoint.full_model_state(self.model)  # gathered over site 0, to rank 0
+            if self.ctx.rank == 0:
+                checkpoint.atomic_save(weights, self.job.run_dir / FINAL_MODEL)
+        elif self.ctx.rank == 0 and self.job.run_dir is not None:
             checkpoint.atomic_save(self.model.state_dict(), self.job.run_dir / FINAL_MODEL)
 
     def _publish_final(self) -> None:

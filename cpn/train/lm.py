@@ -61,8 +61,19 @@ def train(job: Job) -> Trainer:
     split = split_corpus(load_corpus(cfg.corpus_bytes))
     sampler = ShardSampler(split.train, shard=job.rank, num_shards=job.world_size, seq_len=cfg.seq_len,
                            seed=cfg.seed, sampling=cfg.strategy.data_sampling)
-    model = build_model(cfg.model, seed=cfg.seed, device=device)  # the same start on every rank: no broadcast
-    val = val_batches(split.val, seq_len=cfg.seq_len, batches=cfg.val_batches) if job.rank == 0 else []
+    sharded = cfg.shard == "site"
+    if sharded:  # FSDP2 over the site's ranks (cpn.runtime.sharding): site 0's ranks evaluate together
+        from cpn.runtime.sharding import build_sharded
+
+        model = build_sharded(cfg, job._groups)  # noqa: SLF001 - the built-in model's own runtime
+    else:
+        model = build_model(cfg.model, seed=cfg.seed, device=device)  # the same start on every rank: no broadcast
+        if cfg.activation_checkpointing == "full":
+            from cpn.runtime.sharding import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)
+    evaluates = job.rank == 0 or (sharded and job.site == 0)
+    val = val_batches(split.val, seq_len=cfg.seq_len, batches=cfg.val_batches) if evaluates else []
     val = [(x.to(device), y.to(device)) for x, y in val]
     trainer = job.wrap(model, broadcast=False)
 
@@ -70,7 +81,7 @@ def train(job: Job) -> Trainer:
         if trainer.pipelined:  # through the stages, on every rank: no site holds the whole model
             with trainer.evaluating():
                 loss = trainer.strategy.evaluate(val)
-        elif job.rank == 0:
+        elif evaluates:
             with trainer.evaluating():
                 loss = evaluate(model, val, cfg.device.precision)
         if job.rank == 0:
@@ -81,7 +92,10 @@ def train(job: Job) -> Trainer:
         if trainer.pipelined:  # the pipeline strategy feeds its stages itself
             trainer.step(tokens=trainer.units)
         else:
-            trainer.step(step_loss(model, sampler, trainer, device), tokens=trainer.units)
+            loss = step_loss(model, sampler, trainer, device)
+            if loss is None and sharded:  # no tokens this step: the site's backward still needs this rank (weight 0)
+                loss = model.loss(*(torch.zeros((1, cfg.seq_len), dtype=torch.long, device=device),) * 2)
+            trainer.step(loss, tokens=trainer.units)
         if trainer.steps % cfg.val_every == 0 and not trainer.done:
             validate()
     validate()  # the final (consensus) model

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from cpn.runtime.codecs import ErrorFeedback, get_codec
 from cpn.runtime.collectives import Stats, broadcast_from_site_leader, site_allreduce
@@ -141,16 +143,23 @@ def params_of(model: nn.Module) -> list[Tensor]:
     return [p for p in model.parameters()]
 
 
+def _local(p: Tensor) -> Tensor:
+    """This rank's part of a parameter: the local shard of a sharded (DTensor) one, else the whole."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def flat_params(model: nn.Module) -> Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    """The parameters this rank holds, as one vector (under ``shard="site"``: its shards only)."""
+    return torch.cat([_local(p).detach().reshape(-1) for p in model.parameters()]).clone()
 
 
 @torch.no_grad()
 def load_flat(model: nn.Module, vec: Tensor) -> None:
     offset = 0
     for p in model.parameters():
-        n = p.numel()
-        p.copy_(vec[offset : offset + n].view_as(p))
+        t = _local(p)
+        n = t.numel()
+        t.copy_(vec[offset : offset + n].view_as(t))
         offset += n
 
 
@@ -203,8 +212,9 @@ def timed_barrier(ctx: Context, group: dist.ProcessGroup | None) -> None:
 
 
 def site_sync_grads(ctx: Context) -> None:
-    """Average gradients inside the site (the fast network), every step."""
-    if ctx.groups.site_size == 1:
+    """Average gradients inside the site (the fast network), every step; a sharded model's were
+    reduce-scattered in backward already (weighted through :meth:`Strategy.loss_weight`)."""
+    if ctx.groups.site_size == 1 or isinstance(ctx.model, FSDPModule):
         return
     timed_barrier(ctx, ctx.groups.intra)
     grads = grads_of(ctx.model)
@@ -309,6 +319,7 @@ class Strategy:
 
     def __init__(self, ctx: Context):
         self.ctx, self.cfg, self.model = ctx, ctx.cfg, ctx.model
+        self.sharded = isinstance(self.model, FSDPModule)  # shard="site": FSDP2 over the site (sharding.py)
         self.opt = make_optimizer(self.cfg, params_of(self.model))
         self.start_step = 0
         self.progress = 0.0
@@ -327,6 +338,16 @@ class Strategy:
         full = self.name in PS_STRATEGIES or tokens >= cfg.global_batch_tokens or tokens <= 0
         world = range(ctx.groups.world_size)
         ctx.step_share = None if full else trim_shares(tokens, [ctx.share_of(r) for r in world], cfg.seq_len)
+
+    def loss_weight(self) -> float:
+        """What the loop scales this rank's loss by before backward: 1, except on a sharded model, whose
+        site reduce-scatter (an equal average, in backward) must count each rank by its tokens as
+        :func:`weigh` does for the others: by its share of the site's tokens (diloco, local_sgd), or
+        of the job's when the gradients are averaged across sites too (ddp, hierarchical)."""
+        if not self.sharded:
+            return 1.0
+        num, den = self.ctx.world_weight() if self.name in ("ddp", "hierarchical") else self.ctx.site_weight()
+        return num / den if den else 0.0
 
     def set_lr(self, step: int) -> None:
         if not self.global_budget:
@@ -370,7 +391,7 @@ class Strategy:
         Which ranks count and which were missing is decided once per window on the store (the first
         rank to finish waiting writes it, the others read it and stop waiting), so every rank takes the
         same split."""
-        if not (self.balanced and self.cfg.strategy.balance):
+        if not (self.balanced and self.cfg.strategy.balance) or self.sharded:  # a site's ranks shard one model: equal shares
             return
         ctx = self.ctx
         ended, started = balance_window(step)
@@ -463,6 +484,29 @@ class Strategy:
         if site_state is not None:
             self.model.load_state_dict(site_state["model"])
             self.opt.load_state_dict(site_state["opt"])
+
+    # sharded checkpoints (shard="site", checkpoint.save_sharded / load_sharded)
+    def sharded_state(self) -> dict[str, Any]:
+        """This rank's shards of its site's model and optimiser, under ``site<K>``."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, opt = get_state_dict(self.model, self.opt)
+        return {f"site{self.ctx.site}": {"model": model, "optim": opt}}
+
+    def sharded_template(self, sites: list[int]) -> dict[str, Any]:
+        """What :meth:`sharded_state` would hold now, keyed by the site whose state this rank takes
+        (its own, or site 0's when the checkpoint has none of this site)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, opt = get_state_dict(self.model, self.opt)
+        source = self.ctx.site if self.ctx.site in sites else sites[0]
+        return {f"site{source}": {"model": model, "optim": opt}}
+
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        (part,) = [v for k, v in state.items() if k.startswith("site")]
+        set_state_dict(self.model, self.opt, model_state_dict=part["model"], optim_state_dict=part["optim"])
 
     def _inner_step(self) -> None:
         with self.ctx.timers.timed("compute"):

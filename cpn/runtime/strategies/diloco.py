@@ -57,7 +57,12 @@ class DiLoCo(Strategy):
         numel = sum(p.numel() for p in self.model.parameters())
         self.outer_device = HOST if outer_on_host(ctx.cfg.device, ctx.device, numel) else ctx.device
         self.anchor = self._flat()  # local parameters at the start of the round
-        self.exchange = SiteExchange(ctx) if ctx.is_leader else None
+        # sharded (shard="site"): every rank leads its own shard's exchange, with the same-index rank of
+        # every other site (exchange "wan" for index 0, "wan-shard<j>" for the others), and keeps the outer
+        # state of that shard only; the site's WAN traffic is spread over its ranks, nothing is broadcast
+        self.leads = ctx.is_leader or self.sharded
+        name = "wan" if ctx.groups.local_rank == 0 or not self.sharded else f"wan-shard{ctx.groups.local_rank}"
+        self.exchange = SiteExchange(ctx, name) if self.leads else None
         self.pending: PendingAverage | None = None
         self.merge_at: int | None = None  # overlap: the step at which the exchange in flight is merged
         self.mark: torch.Tensor | None = None  # overlap: local parameters when the exchange started
@@ -92,7 +97,7 @@ class DiLoCo(Strategy):
         """End a round without stopping: the leaders start the exchange of this round's pseudo-gradient
         and every site trains on; :meth:`merge` applies it ``overlap_steps`` later."""
         ctx = self.ctx
-        if ctx.is_leader:
+        if self.leads:
             local = self._flat()
             progress = local - self.anchor
             joined = self.exchange.join(self.round)
@@ -107,15 +112,16 @@ class DiLoCo(Strategy):
         """Apply the exchange in flight to the global parameters and continue from them plus what the
         site learnt since the exchange started (nothing lost, nothing counted twice)."""
         ctx = self.ctx
-        if ctx.is_leader:
+        if self.leads:
             avg = self.pending.wait() if self.pending is not None else None
             self._apply(avg, fallback=self.fallback)
             since = self._flat() - self.mark
             self.anchor = self.theta.detach().clone()
             load_flat(self.model, self.anchor + since)
             self.pending = self.mark = self.fallback = None
-        site_broadcast(ctx, [p.data for p in self.model.parameters()])
-        if not ctx.is_leader:
+        if not self.sharded:
+            site_broadcast(ctx, [p.data for p in self.model.parameters()])
+        if not self.leads:
             self.anchor = self._flat()
         self.merge_at = None
 
@@ -128,9 +134,10 @@ class DiLoCo(Strategy):
         ctx = self.ctx
         if self.merge_at is not None:
             self.merge()
-        if ctx.is_leader:
+        if self.leads:
             load_flat(self.model, self._leader_round(self._flat(), exchange, final))
-        site_broadcast(ctx, [p.data for p in self.model.parameters()])
+        if not self.sharded:
+            site_broadcast(ctx, [p.data for p in self.model.parameters()])
         self.anchor = self._flat()
         self.round += 1
 
@@ -176,6 +183,38 @@ class DiLoCo(Strategy):
             self.merge()
         return {**super().site_state(), "anchor": self.anchor, "round": self.round}
 
+    def sharded_state(self) -> dict[str, Any]:
+        """Site's shards, and on site 0's ranks the outer state of their shards under ``global``."""
+        if self.merge_at is not None:
+            self.merge()
+        state = super().sharded_state()
+        if self.ctx.site == 0:
+            state["global"] = self._outer_tensors()
+        return state
+
+    def sharded_template(self, sites: list[int]) -> dict[str, Any]:
+        return {**super().sharded_template(sites), "global": self._outer_tensors()}
+
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        super().load_sharded_state(state)
+        outer = state["global"]
+        with torch.no_grad():
+            self.theta.copy_(_flat_of(outer["theta"]).to(self.outer_device))
+            if "momentum" in outer:
+                self.outer.state[self.theta]["momentum_buffer"] = _flat_of(outer["momentum"]).to(self.outer_device)
+        self.round = int(outer["round"])
+        self.anchor = self._flat()  # a checkpoint is taken at an outer step: the site's parameters are its anchor
+
+    def _outer_tensors(self) -> dict[str, Any]:
+        """The outer parameters (and momentum) of this rank's shards, as DTensors shaped like the
+        model's parameters, so DCP can reshard them."""
+        out: dict[str, Any] = {"theta": _as_params(self.model, self.theta.detach()),
+                               "round": torch.tensor(self.round)}
+        if (self.cfg.strategy.outer_momentum or 0.0) > 0 and self.name == "diloco":
+            buf = self.outer.state.get(self.theta, {}).get("momentum_buffer")
+            out["momentum"] = _as_params(self.model, buf if buf is not None else torch.zeros_like(self.theta))
+        return out
+
     def global_state(self) -> dict[str, Any]:
         return {"theta": self.theta.detach(), "outer": self.outer.state_dict(), "round": self.round}
 
@@ -190,3 +229,23 @@ class DiLoCo(Strategy):
             return
         super().load_state(site_state, global_state)
         self.anchor = site_state["anchor"].to(self.outer_device)
+
+
+def _as_params(model: torch.nn.Module, flat: torch.Tensor) -> dict[str, Any]:
+    """``flat`` (this rank's shards of every parameter, in order) as one DTensor per parameter,
+    placed as the parameter is (copies on the parameter's device)."""
+    from torch.distributed.tensor import DTensor
+
+    out, offset = {}, 0
+    for name, p in model.named_parameters():
+        local = p.to_local()
+        n = local.numel()
+        part = flat[offset:offset + n].view_as(local).to(local.device, copy=True)
+        out[name.replace("_checkpoint_wrapped_module.", "")] = DTensor.from_local(
+            part, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        offset += n
+    return out
+
+
+def _flat_of(params: dict[str, Any]) -> torch.Tensor:
+    return torch.cat([t.to_local().reshape(-1) for t in params.values()])

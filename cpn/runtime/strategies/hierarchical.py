@@ -134,7 +134,10 @@ class Hierarchical(DDP):
         self.metro_bytes = 0
         self.ef = ErrorFeedback() if self._compression == "int8" else None
         self.grad_buckets = GradBuckets(self.model, DEFAULT_BUCKET_BYTES, self._reduce_bucket,
-                                        first_bucket_bytes=FIRST_BUCKET_BYTES) if ctx.cfg.strategy.grad_hooks else None
+                                        first_bucket_bytes=FIRST_BUCKET_BYTES) \
+            if ctx.cfg.strategy.grad_hooks and not self.sharded else None  # sharded: FSDP reduces in backward
+        if self.sharded:
+            self.collective = "hsdp"  # reduce-scatter in the site (backward), shard all-reduce across sites
 
     @property
     def compression(self) -> str | None:
@@ -149,7 +152,9 @@ class Hierarchical(DDP):
 
     def after_backward(self, step: int) -> None:
         ctx = self.ctx
-        if self.grad_buckets is None:
+        if self.sharded:
+            self.shard_sync()
+        elif self.grad_buckets is None:
             timed_barrier(ctx, ctx.groups.world)
             grads = grads_of(self.model)
             weigh(grads, ctx.world_weight())
