@@ -4,11 +4,12 @@ A model is a chain of *units*, cut into P contiguous runs chosen to make the lar
 parameter count as small as possible (an exact DP; a handful of units), or where the user says
 (``cuts``). Two kinds of model can be cut:
 
-- CPN's built-in :class:`~cpn.runtime.model.TransformerLM` (:class:`LMUnits`): the embedding (token
-  + position tables), each transformer block, and the head (final norm + output projection). The
-  head's projection is the token table (tied weights): the first and the last stage each hold a copy,
-  and the pipeline adds their two gradients every step so both copies stay equal (what one process's
-  autograd would do with the one shared tensor).
+- CPN's built-in LMs, either arch (:class:`LMUnits`): the embedding (the token table, and the gpt
+  arch's position table), each transformer block, and the head (final norm + output projection). When
+  the head's projection is the token table (tied weights: every gpt preset, a llama with
+  ``tie_embeddings``) the first and the last stage each hold a copy, and the pipeline adds their two
+  gradients every step so both copies stay equal (what one process's autograd would do with the one
+  shared tensor).
 - A user's ``nn.Sequential`` (:class:`SequentialUnits`): its children, in order. Parameters shared by
   children of different stages (tied weights) are refused: each stage owns its own tensors.
 """
@@ -19,11 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cpn.runtime.model import TransformerLM
+from cpn.runtime.model import LlamaLM, TransformerLM
 
 __all__ = ["LMUnits", "SequentialUnits", "Stage", "StageCut", "Units", "cut_model", "cut_units", "partition",
            "unit_names", "unit_sizes", "units_of"]
@@ -59,32 +59,31 @@ class Units:
 
 
 class LMUnits(Units):
-    model: TransformerLM
+    model: TransformerLM | LlamaLM
 
     @property
-    def tied(self) -> nn.Parameter:  # type: ignore[override]
-        return self.model.tok.weight
+    def tied(self) -> nn.Parameter | None:  # type: ignore[override]
+        return self.model.tied
 
     def names(self) -> list[str]:
         return ["embed", *(f"block{i}" for i in range(len(self.model.blocks))), "head"]
 
     def params(self, unit: int) -> list[nn.Parameter]:
         model = self.model
-        last = len(model.blocks) + 1
         if unit == 0:
-            return [model.tok.weight, model.pos.weight]
-        if unit == last:
-            return [*model.ln_f.parameters(), model.tok.weight]
+            return model.embed_params()
+        if unit == len(model.blocks) + 1:
+            return model.head_params()
         return list(model.blocks[unit - 1].parameters())
 
     def forward(self, start: int, end: int, x: Tensor) -> Tensor:
         model, n = self.model, len(self.model.blocks)
         if start == 0:
-            x = model.tok(x) + model.pos(torch.arange(x.shape[1], device=x.device))
+            x = model.embed(x)
         for u in range(max(start, 1), min(end, n + 1)):
             x = model.blocks[u - 1](x)
         if end == n + 2:
-            x = model.ln_f(x) @ model.tok.weight.T
+            x = model.head(x)
         return x
 
 
@@ -113,7 +112,7 @@ class SequentialUnits(Units):
 
 def units_of(model: nn.Module) -> Units:
     """The units of a model the pipeline can cut; a ValueError that says what to do for any other."""
-    if isinstance(model, TransformerLM):
+    if isinstance(model, TransformerLM | LlamaLM):
         return LMUnits(model)
     if isinstance(model, nn.Sequential):
         if len(model) < 1:

@@ -55,3 +55,17 @@ def test_bad_configs_say_how_to_fix() -> None:
         build_model("gigantic")
     with pytest.raises(ValueError, match="max_seq_len"):
         build_model("tiny")(torch.zeros(1, 300, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-nano"])
+def test_meta_build_then_init_weights_equals_the_cpu_build_for_both_archs(name: str) -> None:
+    direct = build_model(name, seed=3)
+    assert isinstance(direct.blocks, torch.nn.ModuleList) and direct.tok is direct.get_submodule("tok")
+    with torch.device("meta"):
+        lazy = build_model(PRESETS[name])
+    assert all(p.is_meta for p in lazy.parameters())
+    lazy.to_empty(device="cpu")
+    torch.manual_seed(3)
+    lazy.init_weights()
+    assert all(torch.equal(a, b) for a, b in zip(direct.state_dict().values(), lazy.state_dict().values(), strict=True))
+    assert count_parameters(direct) == PRESETS[name].parameters
