@@ -9,7 +9,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from cpn.core import errors
-from cpn.core.manifest import ManifestSyntaxError, load_yaml
+from cpn.core.yamlload import ManifestSyntaxError, YamlAliasError, load_yaml
 
 M = TypeVar("M", bound=BaseModel)
 MAX_DEPTH = 32  # levels of lists and objects a body may nest (a manifest uses about 6)
@@ -27,6 +27,8 @@ async def read_raw(request: web.Request) -> Any:
     if "yaml" in (request.content_type or ""):
         try:
             body = load_yaml(text)
+        except YamlAliasError as exc:  # well-formed, but a few bytes of aliases can name 10^8 values
+            raise errors.InvalidInput(f"the body: {exc}", field="body") from exc
         except ManifestSyntaxError as exc:
             raise errors.MalformedBody(str(exc)) from exc
     else:

@@ -10,7 +10,6 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -25,6 +24,15 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from cpn import API_VERSION
+from cpn.core.yamlload import (  # noqa: F401 - re-exported: the loader lived here
+    ALIAS_REFUSED,
+    ManifestLoader,
+    ManifestSyntaxError,
+    YamlAliasError,
+    load_yaml,
+    load_yaml_all,
+    yaml_error_message,
+)
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
 LABEL_KEY_RE = re.compile(r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -111,72 +119,6 @@ Money = Annotated[Decimal, BeforeValidator(_money_text), AfterValidator(_check_m
                                             {"type": "integer", "minimum": 0}],
                                   "description": "A decimal amount, at most 6 decimal places (a string, or a "
                                                  "whole number)"})]
-
-
-class ManifestLoader(yaml.SafeLoader):
-    """YAML 1.1 as PyYAML reads it, plus numbers in scientific notation without a dot (`1e5`,
-    `2.5E-3`), which YAML 1.1 leaves as strings but every user means as a number; a key given twice
-    in one mapping is an error (PyYAML keeps the last silently, so `tokens: 30720` then `tokens: 99`
-    would train on 99 without a word)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
-            _refuse_duplicate_keys(self, node)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _refuse_duplicate_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> None:
-    """Raise at the second occurrence of a key written in `node` itself (a `<<` merge's keys may be
-    overridden: that is what merging is for)."""
-    first: dict[Any, yaml.Node] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            earlier = first.setdefault(key, key_node)
-        except TypeError:  # an unhashable key: the base constructor says so
-            continue
-        if earlier is not key_node:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first set at line {earlier.start_mark.line + 1})",
-                key_node.start_mark)
-
-
-ManifestLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-class ManifestSyntaxError(ValueError):
-    """A YAML or JSON document that does not parse; the message carries line and column."""
-
-
-def yaml_error_message(exc: yaml.YAMLError, source: str = "") -> str:
-    where = f"{source}: " if source else ""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    context = getattr(exc, "context", None)
-    text = f"{problem} ({context})" if context else problem
-    if mark is None:
-        return f"{where}malformed YAML: {text}"
-    return f"{where}malformed YAML at line {mark.line + 1} column {mark.column + 1}: {text}"
-
-
-def load_yaml(text: str, source: str = "") -> Any:
-    try:
-        return yaml.load(text, Loader=ManifestLoader)  # noqa: S506 - ManifestLoader is a SafeLoader
-    except yaml.YAMLError as exc:
-        raise ManifestSyntaxError(yaml_error_message(exc, source)) from exc
-
-
-def load_yaml_all(text: str, source: str = "") -> list[Any]:
-    try:
-        return [d for d in yaml.load_all(text, Loader=ManifestLoader) if d is not None]  # noqa: S506
-    except yaml.YAMLError as exc:
-        raise ManifestSyntaxError(yaml_error_message(exc, source)) from exc
 
 
 class ObjectMeta(CamelModel):

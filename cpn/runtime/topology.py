@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cpn.core.yamlload import ManifestLoader
+
 ENV_TOPOLOGY = "CPN_TOPOLOGY"
 
 __all__ = ["ENV_TOPOLOGY", "LinkSpec", "SiteSpec", "Topology", "TopologyError"]
@@ -353,7 +355,7 @@ def _load_docs(source: str | Path) -> Iterable[dict[str, Any]]:
         raise TopologyError(f"catalogue {path} does not exist; pass a YAML file or a directory of them")
     files = sorted(path.glob("*.y*ml")) if path.is_dir() else [path]
     for f in files:
-        for doc in yaml.safe_load_all(f.read_text()):
+        for doc in yaml.load_all(f.read_text(), Loader=ManifestLoader):  # noqa: S506 - a SafeLoader, no aliases
             if isinstance(doc, dict):
                 yield doc
 

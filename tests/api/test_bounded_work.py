@@ -9,6 +9,7 @@ import re
 import time
 
 import pytest
+import yaml
 
 from cpn.core import errors, selector
 
@@ -83,3 +84,45 @@ async def test_the_selector_bomb_to_the_api_is_a_prompt_422(api) -> None:  # typ
     body = await r.json()
     assert r.status == 422 and body["error"]["field"] == "labelSelector", body
     assert time.perf_counter() - start < 1.0
+
+
+def yaml_bomb(levels: int = 8, width: int = 10) -> str:
+    """Nested `&a [*a ×10]` levels: a few hundred bytes naming width**levels values."""
+    names = [f"l{i}" for i in range(levels + 1)]
+    lines = [f"{names[0]}: &{names[0]} [{', '.join(['x'] * width)}]"]
+    lines += [f"{names[i]}: &{names[i]} [{', '.join([f'*{names[i - 1]}'] * width)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_one_yaml_loader_refuses_anchors_and_aliases_everywhere(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cpn.cli.ctl import config
+    from cpn.core.yamlload import YamlAliasError, load_yaml, load_yaml_all
+    from cpn.runtime import topology
+
+    bomb = yaml_bomb()
+    assert len(bomb) < 600
+    for load in (load_yaml, load_yaml_all):
+        start = time.perf_counter()
+        with pytest.raises(YamlAliasError, match="aliases .* are not supported"):
+            load(bomb)
+        assert time.perf_counter() - start < 0.1
+    with pytest.raises(YamlAliasError, match="^line 2 column 5: YAML anchors"):
+        load_yaml("a: 1\nb: [*x]\n")
+    (tmp_path / "config").write_text("contexts: &c {}\n")
+    monkeypatch.setenv("CPN_CONFIG", str(tmp_path / "config"))
+    with pytest.raises(config.ConfigError, match="aliases"):
+        config.load()
+    (tmp_path / "cat.yaml").write_text("kind: Site\nmetadata: &m {name: a}\n")
+    with pytest.raises(yaml.YAMLError, match="aliases"):
+        list(topology._load_docs(tmp_path / "cat.yaml"))
+
+
+async def test_the_yaml_bomb_to_the_api_is_a_prompt_422_naming_the_body(api) -> None:  # type: ignore[no-untyped-def]
+    bomb = yaml_bomb()
+    for path in ("/api/v1/apply", "/api/v1/jobs"):
+        start = time.perf_counter()
+        r = await api.client.post(path, data=bomb, headers={**api.auth("alice"), "Content-Type": "application/yaml"})
+        body = await r.json()
+        assert r.status == 422 and body["error"]["field"] == "body", body
+        assert "aliases" in body["error"]["message"] and "not supported" in body["error"]["message"]
+        assert time.perf_counter() - start < 1.0

@@ -10,6 +10,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
+from cpn.core.yamlload import ManifestLoader
+
 
 class ContextEntry(BaseModel):
     name: str
@@ -40,7 +42,7 @@ def load() -> ConfigFile:
     if not path.exists():
         return ConfigFile()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=ManifestLoader) or {}  # noqa: S506 - a SafeLoader, no aliases
         return ConfigFile.model_validate(data)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
