@@ -3,8 +3,9 @@
 Two ways to observe: the site's Kubernetes API (discovery of node pools and free GPUs), or the
 local machine (CUDA devices when torch sees any, else N CPU "slots" — torch is optional). The
 agent speaks to CPN only through :mod:`cpn.client`. A failed discovery is reported as a NotReady
-heartbeat instead of silence; a server that cannot be reached or answers 5xx is retried next
-round; any other refusal (401, 403, 404, 422) stops the agent, since retrying cannot fix it.
+heartbeat instead of silence; a 409 (a concurrent write to the cluster's row) is sent again at once;
+a server that cannot be reached or answers 5xx is retried next round; any other refusal (401, 403,
+404, 422) stops the agent, since retrying cannot fix it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass, field
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -75,6 +78,8 @@ class AgentConfig:
     """Kubernetes: the image pods run when the job names none (spec.image)."""
     work: bool = True
     """Claim and run sub-tasks (off: heartbeat only)."""
+    keep_runs: bool = False
+    """Local mode: keep each run's folder after it ended (for inspection)."""
 
     def __post_init__(self) -> None:
         if self.local == (self.kubeconfig is not None):
@@ -115,18 +120,24 @@ async def run_agent(cfg: AgentConfig) -> None:
         if cfg.once or not cfg.work:
             await _heartbeats(client, cfg, spec)
             return
-        from cpn.agent.work import WorkLoop, run_work
+        from cpn.agent.work import WorkLoop, adopt, run_work
 
         loop = WorkLoop(cfg.server, cfg.token, cfg.cluster, make_driver(cfg), advertise=cfg.advertise_address)
         log.info("agent for cluster %s: claiming its sub-tasks, advertising %s", cfg.cluster, loop.advertise)
-        await asyncio.gather(_heartbeats(client, cfg, spec), run_work(loop))
+        await adopt(loop)  # before any heartbeat: an orphan of an earlier life still holds its slots
+        await asyncio.gather(_heartbeats(client, cfg, spec, loop.held_slots), run_work(loop))
     finally:
         client.close()
 
 
-async def _heartbeats(client: Client, cfg: AgentConfig, spec: dict[str, Any]) -> None:
+async def _heartbeats(client: Client, cfg: AgentConfig, spec: dict[str, Any],
+                      held: Callable[[], int] | None = None) -> None:
+    """`held`: slots still taken by runs the server no longer counts (orphans being stopped)."""
     while True:
         observation = await observe(cfg)
+        if held is not None and (busy := held()):
+            observation = replace(observation, allocatable_gpus=max(0, observation.allocatable_gpus - busy),
+                                  message=f"{observation.message}; {busy} held by a lost run that is stopping")
         await _send(client, cfg, observation, _prices(spec, cfg))
         if cfg.once:
             if observation.error is not None:
@@ -144,7 +155,7 @@ def make_driver(cfg: AgentConfig) -> Any:
     if cfg.local:
         from layers.resource.drivers.local import LocalDriver
 
-        return LocalDriver(cfg.state_dir or default_state_dir(cfg.cluster))
+        return LocalDriver(cfg.state_dir or default_state_dir(cfg.cluster), keep_runs=cfg.keep_runs)
     from layers.resource.drivers.kubernetes import KubernetesDriver
 
     return KubernetesDriver(kubeconfig=cfg.kubeconfig, context=cfg.context, namespace=cfg.namespace, image=cfg.image)
@@ -211,7 +222,7 @@ def _prices(spec: dict[str, Any], cfg: AgentConfig) -> dict[str, str]:
 async def _send(client: Client, cfg: AgentConfig, observation: Observation, prices: dict[str, str]) -> None:
     body = heartbeat_body(observation, prices)
     try:
-        await asyncio.to_thread(client.post, f"/api/v1/clusters/{cfg.cluster}/heartbeat", body)
+        await _post_heartbeat(client, cfg.cluster, body)
     except ApiError as exc:
         if cfg.once or not _transient(exc):
             raise
@@ -224,8 +235,31 @@ async def _send(client: Client, cfg: AgentConfig, observation: Observation, pric
              observation.allocatable_gpus, capacity, pools, observation.message)
 
 
+CONFLICT_RETRIES = 6  # a heartbeat answered 409 is sent again at once, up to this many times, before the next round
+CONFLICT_BACKOFF = 0.05  # seconds before the first repeat; doubled each time, jittered
+
+
+async def _post_heartbeat(client: Client, cluster: str, body: dict[str, Any]) -> None:
+    """POST one heartbeat; a 409 (someone else wrote the cluster's row meanwhile: a price or label change)
+    is repeated after a short jittered backoff -- the server re-reads the row each time -- since the report
+    itself is never wrong (issue 36, item 3: the agent exited on it and its site was lost)."""
+    for attempt in range(CONFLICT_RETRIES + 1):
+        try:
+            await asyncio.to_thread(client.post, f"/api/v1/clusters/{cluster}/heartbeat", body)
+            return
+        except ApiError as exc:
+            if exc.status != 409 or attempt == CONFLICT_RETRIES:
+                raise
+            delay = CONFLICT_BACKOFF * 2**attempt * random.uniform(0.5, 1.5)
+            log.info("heartbeat cluster=%s met a concurrent write (%s); sending again in %.2fs", cluster,
+                     exc.message, delay)
+            await asyncio.sleep(delay)
+
+
 def _transient(exc: ApiError) -> bool:
-    return exc.status == 0 or exc.status == 429 or exc.status >= 500
+    """Worth the next round: the server unreachable or failing, a rate limit, or a conflict that outlasted
+    :func:`_post_heartbeat`'s repeats (nothing in the agent's own report is wrong)."""
+    return exc.status in (0, 409, 429) or exc.status >= 500
 
 
 async def _prepare(client: Client, cfg: AgentConfig) -> dict[str, Any]:

@@ -38,6 +38,7 @@ class LocalSites:
     state_root: Path
     wan: bool = False
     heartbeat_seconds: float = 2.0
+    keep_runs: bool = False  # the agents keep each run's folder after it ended (tests that read them)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     emulator: WanEmulator | None = None
 
@@ -78,12 +79,19 @@ class LocalSites:
         return [s.name for s in self.emulator.topology.sites].index(site)
 
     def start(self, cluster: LocalCluster) -> subprocess.Popen[bytes]:
-        """Start (or restart) the agent of `cluster`. Its token travels in the environment, not argv."""
+        """Start (or restart) the agent of `cluster`. Its token is in a 0600 file, not argv or environment."""
+        state = self.state_root / cluster.name
+        state.mkdir(parents=True, exist_ok=True)
+        token_file = state / "token"
+        fd = os.open(token_file, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(cluster.token + "\n")
         argv = [sys.executable, "-m", "cpn.cli.server", "agent", "--cluster", cluster.name, "--local",
                 "--gpus", str(cluster.slots), "--server", self.server_url, "--interval", str(self.heartbeat_seconds),
-                "--state-dir", str(self.state_root / cluster.name)]
-        env = {**os.environ, "CPN_TOKEN": cluster.token, "PYTHONUNBUFFERED": "1"}
-        env.pop("CPN_SERVER", None)
+                "--state-dir", str(state), "--token-file", str(token_file), *(["--keep-runs"] if self.keep_runs else [])]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for name in ("CPN_SERVER", "CPN_TOKEN", "CPN_TOKEN_FILE"):
+            env.pop(name, None)
         if self.emulator is not None:
             index = self._site_index(cluster.site)
             env.update(self.emulator.env(index))

@@ -10,6 +10,7 @@ claim is idempotent on the server, so nothing is launched twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -66,6 +67,8 @@ class WorkLoop:
         self.version: str | None = None
         self.deferred = False
         self.refused: set[str] = set()  # sub-tasks whose launch failed here: reported, never retried
+        self.orphans: list[Run] = []  # runs of an earlier life the server no longer wants: stopped, awaited
+        self.adopted = False
 
     def close(self) -> None:
         self.watch_client.close()
@@ -77,8 +80,11 @@ class WorkLoop:
     # ------------------------------------------------------------ start
     async def adopt(self) -> None:
         """Find the runs this agent launched before it was restarted, and keep reporting them."""
+        if self.adopted:
+            return
         found = await self.driver.adopt()
         if not found:
+            self.adopted = True
             return
         items = (await self._call("get", "/api/v1/subtasks", cluster=self.cluster))["items"]
         # only what the server still expects to run: a finished run is never signalled again
@@ -89,6 +95,41 @@ class WorkLoop:
             if uid is not None and uid not in self.runs:
                 self.runs[uid] = Run(uid, spec, handle)
                 log.info("re-adopted sub-task %s attempt %s (%s)", spec.subtask, spec.attempt, handle)
+            elif uid is None:
+                await self._orphan(Run("", spec, handle))
+        self.adopted = True
+
+    async def _orphan(self, run: Run) -> None:
+        """A run the server no longer wants (its sub-task was declared Lost while this agent was away,
+        or it finished): stopped if it still runs, its slots held until it has exited, then deleted."""
+        state = await self.driver.poll(run.spec, run.handle)
+        if state.phase in ("Launching", "Running"):
+            await self.driver.cancel(run.spec, run.handle)
+            log.warning("stopping sub-task %s attempt %s: it still ran here, but the server no longer wants it "
+                        "(declared lost while this agent was away)", run.spec.subtask, run.spec.attempt)
+            self.orphans.append(run)
+        else:
+            await self._cleanup(run)
+
+    def held_slots(self) -> int:
+        """Slots taken by orphans that are still stopping: the site must not offer them."""
+        return sum(run.spec.workers for run in self.orphans)
+
+    async def reap_orphans(self) -> None:
+        for run in list(self.orphans):
+            state = await self.driver.poll(run.spec, run.handle)
+            if state.phase not in ("Launching", "Running"):
+                self.orphans.remove(run)
+                log.info("orphaned sub-task %s attempt %s has stopped (%s)", run.spec.subtask, run.spec.attempt,
+                         state.phase)
+                await self._cleanup(run)
+
+    async def _cleanup(self, run: Run) -> None:
+        """The run's folder goes once it has ended and was reported (a driver without one keeps it)."""
+        cleanup = getattr(self.driver, "cleanup", None)
+        if cleanup is not None:
+            with contextlib.suppress(OSError):
+                await cleanup(run.spec, run.handle)
 
     # ------------------------------------------------------------ watcher
     async def watch_once(self) -> None:
@@ -154,6 +195,7 @@ class WorkLoop:
 
     # ------------------------------------------------------------ monitor
     async def monitor_once(self) -> None:
+        await self.reap_orphans()
         for uid, run in list(self.runs.items()):
             try:
                 await self._monitor_run(uid, run)
@@ -180,7 +222,8 @@ class WorkLoop:
         if _changed(run.reported, state) or time.monotonic() - run.reported_at > REPORT_EVERY:
             await self._report(run, state)
         if state.phase in DONE and not lines and run.reported is not None and run.reported.phase in DONE:
-            del self.runs[uid]  # reported and drained; the run directory stays for inspection
+            del self.runs[uid]  # reported and drained
+            await self._cleanup(run)
 
     async def _report(self, run: Run, state: SubtaskState) -> None:
         body = {"phase": state.phase, "message": state.message[:2000],
@@ -200,8 +243,9 @@ def _changed(old: SubtaskState | None, new: SubtaskState) -> bool:
 
 
 async def run_work(loop: WorkLoop, interval: float = 1.0) -> None:
-    """Both halves until cancelled; transient API errors are retried, not fatal."""
-    await _retrying(loop.adopt, interval, once=True)
+    """Both halves until cancelled; transient API errors are retried, not fatal. The runs of an
+    earlier life are sorted out first (adopted, or stopped when the server no longer wants them)."""
+    await adopt(loop, interval)
 
     async def watcher() -> None:
         while True:
@@ -216,6 +260,15 @@ async def run_work(loop: WorkLoop, interval: float = 1.0) -> None:
         await asyncio.gather(watcher(), monitor())
     finally:
         loop.close()
+
+
+async def adopt(loop: WorkLoop, interval: float = 1.0) -> None:
+    """The runs of an earlier life, sorted out before this agent offers any slot (retried until the
+    server answers): an orphan still running holds its slots."""
+    while not loop.adopted:
+        await _retrying(loop.adopt, interval, once=True)
+        if not loop.adopted:
+            await asyncio.sleep(interval)
 
 
 async def _retrying(step: Any, interval: float, once: bool = False) -> None:

@@ -29,6 +29,34 @@ def _port_range(ctx: click.Context, param: click.Parameter, value: str | None) -
         raise click.BadParameter(str(exc)) from None
 
 
+def _secret(token: str | None, token_file: Path | None) -> str | None:
+    """--token, else the token file's first line."""
+    if token or token_file is None:
+        return token
+    try:
+        text = token_file.read_text().strip()
+        mode = token_file.stat().st_mode
+    except OSError as exc:
+        raise click.ClickException(f"--token-file {token_file}: {exc.strerror}") from None
+    if not text:
+        raise click.ClickException(f"--token-file {token_file} is empty: write the provider token in it")
+    if mode & 0o077:
+        logging.getLogger("cpn.agent").warning("--token-file %s can be read by other users (mode %o): chmod 600 it",
+                                               token_file, mode & 0o777)
+    return text.splitlines()[0].strip()
+
+
+def _forget_token() -> None:
+    """Once read, the token lives only in this process's memory: out of its environment (nothing it
+    starts inherits it), and the process non-dumpable, so that neither /proc/<pid>/environ (which keeps
+    the environment it started with) nor its memory can be read by any other process of its user."""
+    from cpn.runtime.sandbox import make_undumpable
+
+    os.environ.pop("CPN_TOKEN", None)
+    os.environ.pop("CPN_TOKEN_FILE", None)
+    make_undumpable()
+
+
 @click.command("agent")
 @click.option("--cluster", required=True, help="Name of the CPN Cluster this agent reports for.")
 @click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path),
@@ -42,7 +70,12 @@ def _port_range(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--local", is_flag=True, help="Offer this machine's GPUs (or CPU slots) instead.")
 @click.option("--gpus", type=int, help="With --local: slots to offer when no CUDA device is visible [1].")
 @click.option("--server", help="CPN API URL (CPN_SERVER, else the cpnctl config's current context).")
-@click.option("--token", help="Provider token (prefer CPN_TOKEN: a flag shows in `ps`; else the cpnctl config).")
+@click.option("--token", help="Provider token (prefer --token-file: a flag shows in `ps`; else CPN_TOKEN, else the "
+              "cpnctl config).")
+@click.option("--token-file", envvar="CPN_TOKEN_FILE", type=click.Path(dir_okay=False, path_type=Path),
+              help="Read the provider token from this file (mode 0600, the agent's user only) [CPN_TOKEN_FILE].")
+@click.option("--keep-runs", is_flag=True, help="With --local: keep each run's folder after it ended (outputs, "
+              "logs), for inspection; by default it is deleted once its outputs are on the server.")
 @click.option("--advertise-address", help="Address other sites reach this one at, for the rendezvous of jobs "
               "whose first site is here [the address used to reach the server].")
 @click.option("--port-range", metavar="LO-HI", callback=_port_range, expose_value=False,
@@ -61,7 +94,8 @@ def _port_range(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--lat", type=click.FloatRange(-90, 90), help="With --register: the new Site's latitude.")
 @click.option("--lon", type=click.FloatRange(-180, 180), help="With --register: the new Site's longitude.")
 def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, local: bool, gpus: int | None,
-              namespace: str, image: str | None, server: str | None, token: str | None, advertise_address: str | None,
+              namespace: str, image: str | None, server: str | None, token: str | None, token_file: Path | None,
+              keep_runs: bool, advertise_address: str | None,
               state_dir: Path | None, no_work: bool, interval: float, once: bool, price: str | None,
               register: bool, site: str | None, region: str | None, lat: float | None,
               lon: float | None) -> None:
@@ -83,7 +117,8 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
         raise click.ClickException(f"--context/--kube-context {kube_context!r} names a context of a kubeconfig: "
                                    "add --kubeconfig PATH (the CPN server and token come from --server/--token)")
     try:
-        target = resolve(server, token, None)
+        target = resolve(server, _secret(token, token_file), None)
+        _forget_token()
         if note := target.source_note():
             click.echo(f"cpn agent: {note}", err=True)
         registration = None
@@ -95,7 +130,7 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
                           context=kube_context, local=local, gpus=gpus, price_per_gpu_hour=price,
                           interval=timedelta(seconds=interval), once=once, register=registration,
                           namespace=namespace, image=image, advertise_address=advertise_address, state_dir=state_dir,
-                          work=not no_work)
+                          work=not no_work, keep_runs=keep_runs)
         asyncio.run(run_agent(cfg))
     except (ApiError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from exc

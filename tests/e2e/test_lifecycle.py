@@ -35,11 +35,12 @@ def _job(name: str, **spec: object) -> dict:
 class World:
     """Server + the demo's three sites (two providers), with an agent per cluster."""
 
-    def __init__(self, db_url: str, tmp: Path, env: dict[str, str] | None = None, spare: bool = False):
+    def __init__(self, db_url: str, tmp: Path, env: dict[str, str] | None = None, spare: bool = False,
+                 keep_runs: bool = True):
         self.db_url, self.tmp, self.env = db_url, tmp, {"CPN_HEARTBEAT_TIMEOUT_SECONDS": "10", **(env or {})}
         self.port = free_port()
         self.sites = LocalSites(self.port, [], [(a, b, g * 1000) for a, b, g, _, _ in LINKS], tmp / "sites",
-                                wan=LocalSites.can_emulate(), heartbeat_seconds=1.0)
+                                wan=LocalSites.can_emulate(), heartbeat_seconds=1.0, keep_runs=keep_runs)
         self.sites.clusters = [LocalCluster(f"{s}-cpu", s, "") for sites in PROVIDERS.values() for s in sites]
         self.sites.__enter__()
         self.server = start_server(db_url, tmp, self.env, port=self.port, host=self.sites.server_host)

@@ -52,7 +52,7 @@ class FourSites(World):
         owners = {**{s: p for p, sites in PROVIDERS.items() for s in sites}, FOURTH: "alpha-cloud"}
         links = [(a, b, g * 1000) for a, b, g, _, _ in [*LINKS, *FOURTH_LINKS]]
         self.sites = LocalSites(self.port, [LocalCluster(f"{s}-cpu", s, "") for s in owners], links, tmp / "sites",
-                                wan=LocalSites.can_emulate(), heartbeat_seconds=1.0)
+                                wan=LocalSites.can_emulate(), heartbeat_seconds=1.0, keep_runs=True)
         self.sites.__enter__()
         try:
             self.server = start_server(db_url, tmp, self.env, port=self.port, host=self.sites.server_host)

@@ -95,6 +95,11 @@ CONTRACT_DIR = "/var/run/cpn"
 SPEC_KEY = "spec.json"
 WORK_DIR = "/var/lib/cpn"  # the runner's job directory: checkpoints/, code/<digest>/
 RUN_DIR = f"{WORK_DIR}/run"
+HOME_DIR = f"{WORK_DIR}/home"  # the root filesystem is read-only: caches go to the pod's emptyDir
+POD_USER = 65532  # non-root (the distroless "nonroot" uid); the emptyDirs and the contract are its group's
+CONTAINER_SECURITY = {"runAsNonRoot": True, "runAsUser": POD_USER, "runAsGroup": POD_USER,
+                      "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 PORT_RANGE_SYSCTL = "net.ipv4.ip_local_port_range"  # namespaced and "safe": allowed in any pod
 NCCL_DEFAULTS = {"NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # a dead peer raises, not hangs
@@ -211,7 +216,7 @@ def container_env(spec: AttemptSpec, settings: PodSettings, gpus: int) -> list[d
     env: list[dict[str, Any]] = [  # first, so that $(JOB_COMPLETION_INDEX) expands in the command
         {"name": "JOB_COMPLETION_INDEX",
          "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}}]
-    plain = {"PYTHONUNBUFFERED": "1", **_network_env(settings, gpus)}
+    plain = {"PYTHONUNBUFFERED": "1", "HOME": HOME_DIR, **_network_env(settings, gpus)}
     return env + [{"name": k, "value": v} for k, v in plain.items()]
 
 
@@ -229,9 +234,10 @@ def _container(spec: AttemptSpec, pods: Shape, settings: PodSettings) -> dict[st
             "env": container_env(spec, settings, pods.gpus_per_pod),
             "ports": [{"name": n, "containerPort": p} for n, p in _ports(spec)], "resources": resources,
             "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError",
+            "securityContext": CONTAINER_SECURITY,
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                              {"name": "contract", "mountPath": CONTRACT_DIR, "readOnly": True},
-                             {"name": "work", "mountPath": WORK_DIR}]}
+                             {"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"}]}
 
 
 def job_manifest(spec: AttemptSpec, namespace: str, pods: Shape, settings: PodSettings) -> dict[str, Any]:
@@ -248,12 +254,14 @@ def job_manifest(spec: AttemptSpec, namespace: str, pods: Shape, settings: PodSe
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}},
                     {"name": "contract", "secret": {"secretName": name, "defaultMode": 0o400,
                                                     "items": [{"key": SPEC_KEY, "path": SPEC_KEY}]}},
-                    {"name": "work", "emptyDir": {}}]}
+                    {"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}],
+        # user code runs here: not root, no privilege to gain, nothing written outside the emptyDirs
+        "securityContext": {"runAsNonRoot": True, "fsGroup": POD_USER, "seccompProfile": {"type": "RuntimeDefault"}}}
     if pods.gpus_per_pod:
         pod_spec["tolerations"] = [GPU_TOLERATION]
     if settings.port_range is not None:
-        pod_spec["securityContext"] = {"sysctls": [{"name": PORT_RANGE_SYSCTL, "value":
-                                                    f"{settings.port_range.low} {settings.port_range.high}"}]}
+        pod_spec["securityContext"]["sysctls"] = [{"name": PORT_RANGE_SYSCTL, "value":
+                                                   f"{settings.port_range.low} {settings.port_range.high}"}]
     template = {"metadata": {"labels": {**labels(spec), POD_GROUP_LABEL: name},
                              "annotations": {VOLCANO_GROUP: name, LAUNCH_KEY: launch_key(spec)}},
                 "spec": pod_spec}

@@ -150,7 +150,10 @@ def test_each_pod_runs_the_sites_job_runner_on_the_gpus() -> None:
     assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == name
     assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == name
     assert container["ports"] == []  # only the lead serves the job's store
-    assert "securityContext" not in pod["spec"]  # no --port-range: the node's ephemeral ports
+    assert "sysctls" not in pod["spec"]["securityContext"]  # no --port-range: the node's ephemeral ports
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True  # user code: no root, no privilege to gain
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
     contract = next(v for v in pod["spec"]["volumes"] if v["name"] == "contract")
     assert contract["secret"] == {"secretName": name, "defaultMode": 0o400,
                                   "items": [{"key": "spec.json", "path": "spec.json"}]}
@@ -180,7 +183,7 @@ def test_the_pod_environment_holds_the_network_only_and_no_token() -> None:
     spec = spec_of()
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container_env(spec, SETTINGS, gpus=4)}
     assert list(env)[0] == "JOB_COMPLETION_INDEX"  # defined before the command expands it
-    assert set(env) == {"JOB_COMPLETION_INDEX", "PYTHONUNBUFFERED", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+    assert set(env) == {"JOB_COMPLETION_INDEX", "PYTHONUNBUFFERED", "HOME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
                         "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
     assert TOKEN not in json.dumps(env) and "secretKeyRef" not in json.dumps(env)
 
@@ -202,8 +205,8 @@ def test_the_port_range_sets_the_pods_ephemeral_ports() -> None:
     settings = PodSettings(image="cpn:test", port_range=PortRange(30000, 30099))
     job = job_manifest(spec_of(lead=True), NS, Shape(4, 1, 0), settings)
     kubernetes_validate.validate(job, "1.30", strict=True)
-    assert job["spec"]["template"]["spec"]["securityContext"] == {
-        "sysctls": [{"name": "net.ipv4.ip_local_port_range", "value": "30000 30099"}]}
+    assert job["spec"]["template"]["spec"]["securityContext"]["sysctls"] == [
+        {"name": "net.ipv4.ip_local_port_range", "value": "30000 30099"}]
 
 
 # ------------------------------------------------------------------------------- launch
@@ -245,7 +248,7 @@ async def test_a_user_code_job_resumed_runs_the_runner_with_its_contract(gpu_sit
     assert container["command"] == runner_command(Shape(2, 4, 4)) == [
         *RUNNER, "--ranks-per-pod", "4", "--termination-log", "/dev/termination-log"]
     assert "cpn.runtime.train" not in json.dumps(job) and "torchrun" not in json.dumps(job)
-    assert set(env_of(job)) == {"JOB_COMPLETION_INDEX", "PYTHONUNBUFFERED", "GLOO_SOCKET_IFNAME",
+    assert set(env_of(job)) == {"JOB_COMPLETION_INDEX", "PYTHONUNBUFFERED", "HOME", "GLOO_SOCKET_IFNAME",
                                 "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
     assert {"name": "work", "mountPath": "/var/lib/cpn"} in container["volumeMounts"]  # --job-dir: code, checkpoints
     secret = gpu_site.get("secrets", handle["name"], NS)
