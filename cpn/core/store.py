@@ -41,6 +41,8 @@ class ResourceRow(Tracked):
 
 
 
+WRITE_ATTEMPTS = 8  # a write naming no resourceVersion (a merge PATCH, a heartbeat) is run again from a fresh
+# read this many times in all when a concurrent writer moved the row (Database.transact) instead of answering 409
 RETIRED = "~"  # a retired object's name is RETIRED + its uid: never a valid name, so it frees the old one
 READ_ONLY_META = ("uid", "creationTimestamp", "owner")  # set by the server; ignored on input
 
@@ -305,7 +307,9 @@ class ResourceStore:
     async def patch(self, session: AsyncSession, principal: Principal, name: str, patch: Any) -> dict[str, Any]:
         if not isinstance(patch, dict):
             raise errors.InvalidInput("a merge patch must be a JSON object")
-        row = await self.load(session, principal, name)
+        # locked from the read the patch is merged onto: a concurrent writer waits for this one and then
+        # merges onto its result (PostgreSQL; on SQLite the caller's retry, WRITE_ATTEMPTS, does it)
+        row = await self.load(session, principal, name, lock=True)
         self.authorize_write(principal, row)
         current = {"apiVersion": "cpn/v1", "kind": self.kind,
                    "metadata": {"name": split_key(row.name)[1], "labels": row.labels or {}},

@@ -24,7 +24,10 @@ async def heartbeat(session: AsyncSession, principal: Principal, name: str, body
                     timeout: timedelta, now: datetime | None = None) -> ClusterRow:
     """Record an agent's report; only the cluster's provider (or an admin) may send it. ``timeout``: the
     heartbeat timeout, to tell when the report changes the cluster's readiness (its transition time)."""
-    row = (await session.execute(select(ClusterRow).where(ClusterRow.name == name))).scalar_one_or_none()
+    # the row lock the batch path takes: a concurrent write to the row (a PATCH of its labels) queues
+    # behind this one instead of making it fail the version check (issue 36, item 3)
+    stmt = select(ClusterRow).where(ClusterRow.name == name).with_for_update()
+    row = (await session.execute(stmt)).scalar_one_or_none()
     _record(principal, name, row, body, now or datetime.now(UTC), timeout)
     await session.flush()
     return row  # type: ignore[return-value]

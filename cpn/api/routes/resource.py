@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from aiohttp import web
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.api import state
 from cpn.api.bodies import json_response, read_model
 from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
+from cpn.core.store import WRITE_ATTEMPTS
 from layers.resource import capacity
 from layers.resource.schemas import ClusterManifest, HeartbeatBatch, HeartbeatBatchResult, HeartbeatRequest
 
@@ -18,10 +20,13 @@ async def heartbeat(request: web.Request) -> web.Response:
     kind = request.app[state.KINDS].by_kind("Cluster")
     assert kind is not None
     principal = principal_of(request)
-    async with request.app[state.DB].session() as s:
+
+    async def record(s: AsyncSession) -> dict:
         row = await capacity.heartbeat(s, principal, request.match_info["name"], body, kind.store.heartbeat_timeout)
-        out = kind.store.to_manifest(principal, row)
-    return json_response(out)
+        return kind.store.to_manifest(principal, row)
+
+    # a heartbeat names no resourceVersion: a concurrent writer's version bump is retried here, not a 409
+    return json_response(await request.app[state.DB].transact(record, attempts=WRITE_ATTEMPTS))
 
 
 async def heartbeats(request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from cpn.api.routes import add
 from cpn.core import errors
 from cpn.core.kinds import Kind
 from cpn.core.manifest import list_manifest
+from cpn.core.store import WRITE_ATTEMPTS
 
 
 class ApplyRequest(BaseModel):
@@ -91,9 +92,12 @@ def _handlers(kind: Kind) -> dict[str, Any]:
 
     async def patch(request: web.Request) -> web.Response:
         body = await read_raw(request)
-        async with request.app[state.DB].session() as s:
-            out = await store.patch(s, principal_of(request), request.match_info["name"], body)
-        return json_response(out)
+
+        async def merge(s: Any) -> dict[str, Any]:
+            return await store.patch(s, principal_of(request), request.match_info["name"], body)
+
+        # a patch naming no resourceVersion is merged again onto a concurrent writer's result, not answered 409
+        return json_response(await request.app[state.DB].transact(merge, attempts=WRITE_ATTEMPTS))
 
     async def delete(request: web.Request) -> web.Response:
         name = request.match_info["name"]
