@@ -43,6 +43,8 @@ MAX_UNPACKED_BYTES = 2 * 1024**3
 
 TIMEOUT_SECONDS = 7 * 24 * 3600.0
 POLL_SECONDS = 0.5
+ENV_OUTAGE_WINDOW = "CPN_OUTAGE_WINDOW_SECONDS"
+OUTAGE_WINDOW_SECONDS = 300.0  # how long a run's end waits out an API, database or blob-store outage
 
 
 @dataclass
@@ -386,10 +388,14 @@ def supervise(spec: AttemptSpec, run_dir: Path, job_dir: Path | None = None, *, 
         _write_status(run_dir, _status(workers, runner, phase, message or note))
         time.sleep(POLL_SECONDS)
     phase, message = _state(workers)  # every worker has exited: final
-    _epilogue(workers, relay, sync, run_dir, spec, client, weights=runner == "Running" and phase == "Succeeded")
+    lost = _epilogue(workers, relay, sync, run_dir, spec, client, weights=runner == "Running" and phase == "Succeeded")
     # only now does the site see the sub-task's end: its metrics, checkpoints and final weights are in
-    # the API before the job can turn Succeeded (a report sent after that is refused)
-    _write_status(run_dir, _status(workers, "Finished" if runner == "Running" else runner, phase, message or note))
+    # the API before the job can turn Succeeded (a report sent after that is refused) — or it says that
+    # they are not, and the driver keeps them on the site's disk
+    status = _status(workers, "Finished" if runner == "Running" else runner, phase, message or note)
+    if lost:
+        status["message"] = "; ".join(x for x in (status["message"], f"outputs not stored on the server: {lost}") if x)
+    _write_status(run_dir, {**status, "outputs": "unsaved" if lost else "stored"})
     return exit_code(workers, runner)
 
 
@@ -399,26 +405,80 @@ def _status(workers: list[Worker], runner: str, phase: str, message: str) -> dic
             "subtask": {"phase": phase, "exitCodes": codes, "pids": [w.proc.pid for w in workers]}}
 
 
+def outage_window() -> float:
+    """Seconds the runner keeps retrying to store a run's outputs while the API, its database or its
+    blob store is unavailable (``CPN_OUTAGE_WINDOW_SECONDS``, default :data:`OUTAGE_WINDOW_SECONDS`)."""
+    raw = os.environ.get(ENV_OUTAGE_WINDOW)
+    try:
+        value = float(raw) if raw else OUTAGE_WINDOW_SECONDS
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{ENV_OUTAGE_WINDOW}={raw!r}: write the seconds to keep retrying, e.g. 300")
+    return value
+
+
+def _transient(exc: Exception) -> bool:
+    """Worth retrying: the API unreachable, failing (5xx: its database or disk), busy or mid-change."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        code = exc.response.status_code
+        return code >= 500 or code in (408, 429) or _stale(exc.response)
+    return isinstance(exc, httpx.HTTPError)
+
+
+@dataclass
+class _Upload:
+    """One of the epilogue's uploads: done, given up (refused for good), or still to retry."""
+
+    send: Any
+    done: bool = False
+    refused: str = ""
+    error: str = ""
+
+    def attempt(self) -> None:
+        if self.done:
+            return
+        try:
+            self.send()
+        except (httpx.HTTPError, OSError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"[:300]
+            if not _transient(exc):
+                self.done, self.refused = True, self.error
+            return
+        self.done, self.error = True, ""
+
+
 def _epilogue(workers: list[Worker], relay: Relay, sync: CheckpointSync, run_dir: Path, spec: AttemptSpec,
-              client: httpx.Client | None, *, weights: bool) -> None:
+              client: httpx.Client | None, *, weights: bool) -> str:
     """After the workers exit: their last log lines, metrics, checkpoint files and (``weights``: the run
-    succeeded) the final weights."""
+    succeeded) the final weights, retried with backoff through an outage of up to :func:`outage_window`
+    seconds. Returns what could not be stored ("" when the server has confirmed everything); the
+    files stay on this site's disk either way."""
     for w in workers:
         if w.tee is not None:
             w.tee.join(timeout=5)
-    for _ in range(10):
+    uploads = {"checkpoints": _Upload(sync.push)}
+    if weights:
+        uploads["final weights"] = _Upload(lambda: push_final(spec, run_dir, client))
+    deadline, delay = time.monotonic() + outage_window(), 0.5
+    while True:
         relay.collect()
         relay.flush()
-        if not relay.pending:
+        for upload in uploads.values():
+            upload.attempt()
+        pending = [f"{name} ({u.error})" for name, u in uploads.items() if not u.done]
+        pending += [f"{len(relay.pending)} metric report(s)"] if relay.pending else []
+        if not pending or time.monotonic() >= deadline:
             break
-        time.sleep(1)
-    with contextlib.suppress(httpx.HTTPError, OSError):
-        sync.push()
-    if weights:
-        try:
-            push_final(spec, run_dir, client)
-        except (httpx.HTTPError, OSError) as exc:
-            print(f"final weights upload failed: {exc}", file=sys.stderr, flush=True)
+        print(f"outputs not stored yet, retrying in {delay:.1f}s: {'; '.join(pending)}", file=sys.stderr, flush=True)
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 15.0)
+    lost = pending + [f"{name} refused: {u.refused}" for name, u in uploads.items() if u.refused and
+                      (name == "final weights" or weights)]
+    if lost:
+        print(f"outputs NOT stored on the server: {'; '.join(lost)}; they stay in {run_dir}", file=sys.stderr,
+              flush=True)
+    return "; ".join(lost)
 
 
 def exit_code(workers: list[Worker], runner: str = "Running") -> int:
