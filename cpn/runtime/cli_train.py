@@ -23,7 +23,11 @@ from cpn.runtime.topology import Topology
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "strategy": ("strategy.name", {"type": click.Choice(["auto", *get_args(StrategyName)]), "default": "ddp",
                                    "help": "cross-site strategy (auto: chosen from the sites and links)"}),
-    "model": ("model", {"default": "small", "help": "model preset: tiny, small, medium, base, large"}),
+    "model": ("model", {"default": "small", "help": "model preset: tiny, small, medium, base, large (byte LMs), "
+                                                   "llama-nano, llama3-1b, llama3-8b, llama2-7b, …"}),
+    "data": ("data.path", {"default": None, "help": "train on this token file (flat little-endian uint16, or uint32 "
+                                                  "for --vocab > 65536) instead of the byte corpus; needs --vocab"}),
+    "vocab": ("data.vocab", {"type": int, "default": None, "help": "--data: token ids (the model's vocabulary)"}),
     "tokens": ("tokens", {"type": int, "default": 2_000_000, "help": "token budget over all workers"}),
     "global_batch": ("global_batch_tokens", {"type": int, "default": 16_384, "help": "tokens per global step"}),
     "seq_len": ("seq_len", {"type": int, "default": 128}),

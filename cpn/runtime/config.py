@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -203,6 +203,41 @@ class DeviceConfig(_Model):
         "gloo", description="backend of groups that cross sites; nccl only where the sites' network carries it")
 
 
+DataFormat = Literal["bytes", "tokens"]
+
+
+def token_dtype(vocab: int) -> str:
+    """The element type of a token file of ``vocab`` ids (what nanoGPT and torchtitan write)."""
+    return "uint16" if vocab <= 65_536 else "uint32"
+
+
+class DataConfig(_Model):
+    """What the built-in model trains on: ``bytes``, the built-in corpus (the standard library's sources,
+    vocabulary 256); ``tokens``, a flat little-endian uint16 (``vocab`` <= 65536) or uint32 file of token
+    ids, memory-mapped; the model's vocabulary is then ``vocab``."""
+
+    format: DataFormat = "bytes"
+    vocab: int | None = Field(None, ge=2, le=2**32, description="tokens: the number of token ids (ids < vocab)")
+    path: str | None = Field(None, description="tokens: the file (a path or file: URI); in a job, the site's replica")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _infer_format(cls, data: Any) -> Any:
+        """A token file given without a format is one (``cpn train --data FILE --vocab N``)."""
+        if isinstance(data, dict) and data.get("path") is not None and data.get("format") is None:
+            return {**data, "format": "tokens"}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.format == "tokens" and self.vocab is None:
+            raise ValueError("data.format 'tokens' needs data.vocab, the number of token ids: set --vocab")
+        if self.format == "bytes" and (self.vocab is not None or self.path is not None):
+            raise ValueError("data.vocab and data.path are for data.format 'tokens' (the byte corpus has 256): "
+                             "set format='tokens' or drop them")
+        return self
+
+
 class TrainConfig(_Model):
     model: str = "small"
     tokens: int = Field(2_000_000, gt=0, description="token budget over all workers")
@@ -228,6 +263,7 @@ class TrainConfig(_Model):
                                              "holds the whole model")
     activation_checkpointing: ActivationCheckpointing = Field(
         "none", description="full: recompute each block's activations in backward (about one more forward)")
+    data: DataConfig = Field(DataConfig(), description="the built-in model's data: the byte corpus or a token file")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -80,6 +80,9 @@ class DataRef(_Model):
 
     dataset: str
     uri: str | None = None
+    format: str | None = Field(default=None, description="the Dataset's spec.format; 'tokens': the built-in model "
+                                                           "trains on the token file at uri")
+    vocab: int | None = Field(default=None, ge=2, description="format tokens: the number of token ids")
 
 
 class AttemptSpec(_Model):
@@ -143,6 +146,16 @@ def torchrun_env(topology: Topology, rank: int, local_rank: int, local_world: in
             "MASTER_ADDR": master, "MASTER_PORT": str(port), **topology.to_env()}
 
 
+def train_config(spec: AttemptSpec) -> TrainConfig:
+    """The attempt's runtime config; a job without code on a ``format: tokens`` Dataset trains the built-in
+    model on the site's replica of it, with the dataset's vocabulary."""
+    data = spec.data
+    if spec.code is not None or data is None or data.format != "tokens":
+        return spec.train
+    return TrainConfig.model_validate({**spec.train.model_dump(), "data": {"format": "tokens", "vocab": data.vocab,
+                                                                          "path": data.uri}})
+
+
 def worker_env(spec: AttemptSpec, rank: int, *, run_dir: str, checkpoint_dir: str,
                base: Mapping[str, str] | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """A worker's whole environment. The worker token is not in it: the runner relays metrics."""
@@ -155,7 +168,7 @@ def worker_env(spec: AttemptSpec, rank: int, *, run_dir: str, checkpoint_dir: st
         env.pop(secret, None)
     env.update(torchrun_env(spec.topology, rank, rank - spec.first_rank, spec.workers, spec.rendezvous.host,
                             spec.rendezvous.port))
-    env.update(spec.train.to_env())
+    env.update(train_config(spec).to_env())
     env.update({ENV.SITE_INDEX: str(spec.site_index), ENV.JOB: spec.job,
                 ENV.ATTEMPT: str(spec.attempt), ENV.RUN_DIR: run_dir, ENV.CHECKPOINT_DIR: checkpoint_dir,
                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})

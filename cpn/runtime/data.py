@@ -7,6 +7,11 @@ shard per worker, or -- ``sampling="whole"``, ps_backup's default (see
 :attr:`cpn.runtime.config.StrategyConfig.data_sampling`) -- every worker draws from all of it. Batches
 are a pure function of (seed, rank, step), so a resumed run sees exactly the batches the
 uninterrupted one would have seen.
+
+Or the user's own tokens (``data.format: tokens``, a Dataset with ``format: tokens``): a flat
+little-endian uint16 (vocabularies up to 65536) or uint32 file of token ids, as nanoGPT and torchtitan
+write them, memory-mapped (a file larger than memory trains), split and sampled the same way; the
+model's vocabulary is the dataset's (:func:`model_config`).
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ import hashlib
 import os
 import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from cpn.runtime.config import Sampling
+from cpn.runtime.config import Sampling, TrainConfig, token_dtype
+from cpn.runtime.presets import ModelConfig, resolve
 
 VAL_FRACTION = 0.05
 _CACHE = Path(os.environ.get("CPN_CACHE_DIR", Path.home() / ".cache" / "cpn"))
@@ -60,6 +66,59 @@ def load_corpus(max_bytes: int = 8_000_000) -> np.ndarray:
     corpus.tofile(tmp)
     os.replace(tmp, cached)
     return corpus
+
+
+_CHECKED_TOKENS = 1 << 20  # ids read to check a token file against its vocabulary (its head and a stride)
+
+
+def token_file(uri: str) -> Path:
+    """The local file of a token dataset's URI: a path, ``file:rel``, or ``file:///abs``."""
+    if uri.startswith("file://"):
+        return Path(uri[len("file://"):])
+    if uri.startswith("file:"):
+        return Path(uri[len("file:"):])
+    if "://" in uri:
+        raise ValueError(f"data.path {uri!r}: the built-in model reads token files on the site's disk (a path or "
+                         "a file: URI); list a replica at a path the site's workers can read")
+    return Path(uri)
+
+
+def load_tokens(uri: str, vocab: int) -> np.ndarray:
+    """The token file at ``uri``, memory-mapped as little-endian uint16 (``vocab`` <= 65536) or uint32;
+    a file that is not whole tokens, or holds ids >= ``vocab``, is refused saying which."""
+    path = token_file(uri)
+    if not path.is_file():
+        raise ValueError(f"data.path {uri!r}: no token file at {path}")
+    dtype = np.dtype(token_dtype(vocab)).newbyteorder("<")
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise ValueError(f"data.path {uri!r} holds {size} bytes, not whole {dtype.name} tokens (vocab {vocab} "
+                         f"means {dtype.itemsize}-byte ids): check data.vocab, or write the file as {dtype.name}")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    stride = max(1, len(tokens) // _CHECKED_TOKENS)
+    seen = max(int(tokens[:_CHECKED_TOKENS].max()), int(tokens[::stride].max()))
+    if seen >= vocab:
+        raise ValueError(f"data.path {uri!r} holds token id {seen}, outside data.vocab {vocab}: "
+                         f"set data.vocab to at least {seen + 1}")
+    return tokens
+
+
+def load_data(cfg: TrainConfig) -> np.ndarray:
+    """The job's data as one flat array of token ids: the byte corpus, or the memory-mapped token file."""
+    if cfg.data.format == "tokens":
+        if cfg.data.path is None:
+            raise ValueError("data.format 'tokens' needs data.path: in a job, a Dataset replica at the site; "
+                             "with cpn train, --data FILE")
+        return load_tokens(cfg.data.path, int(cfg.data.vocab or 0))
+    return load_corpus(cfg.corpus_bytes)
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The built-in model of ``cfg``: its preset, with the token dataset's vocabulary."""
+    model = resolve(cfg.model)
+    if cfg.data.format == "tokens" and cfg.data.vocab != model.vocab_size:
+        model = replace(model, vocab_size=int(cfg.data.vocab or 0))
+    return model
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from cpn.runtime.config import TrainConfig
-from cpn.runtime.data import ShardSampler, load_corpus, split_corpus, val_batches
+from cpn.runtime.data import ShardSampler, load_data, model_config, split_corpus, val_batches
 from cpn.runtime.device import autocast
 from cpn.runtime.model import build_model
 from cpn.train.api import Job, Trainer, init
@@ -58,7 +58,7 @@ def train(job: Job) -> Trainer:
     """Build the model and data for this rank, train the job's budget, evaluate; returns the trainer."""
     cfg: TrainConfig = job._cfg  # noqa: SLF001 - the built-in model's settings (a user's come from job.config)
     device = job.device
-    split = split_corpus(load_corpus(cfg.corpus_bytes))
+    split = split_corpus(load_data(cfg))  # the byte corpus, or the job's token file
     sampler = ShardSampler(split.train, shard=job.rank, num_shards=job.world_size, seq_len=cfg.seq_len,
                            seed=cfg.seed, sampling=cfg.strategy.data_sampling)
     sharded = cfg.shard == "site"
@@ -67,7 +67,7 @@ def train(job: Job) -> Trainer:
 
         model = build_sharded(cfg, job._groups)  # noqa: SLF001 - the built-in model's own runtime
     else:
-        model = build_model(cfg.model, seed=cfg.seed, device=device)  # the same start on every rank: no broadcast
+        model = build_model(model_config(cfg), seed=cfg.seed, device=device)  # the same start on every rank: no broadcast
         if cfg.activation_checkpointing == "full":
             from cpn.runtime.sharding import apply_activation_checkpointing
 

@@ -5,6 +5,10 @@ creates it and lives in that user's namespace, as jobs do; other users never see
 TrainingJob's ``spec.dataset`` names one: placement then prices copying it to placed sites without
 a replica (``data-transfer``), keeps the job inside ``spec.regions`` (residency), and each site's
 workers read the replica at their site, or the nearest one (``CPN_DATA_URI``, ``job.data_uri``).
+
+``format: tokens`` (with ``vocab``) is the one format CPN itself reads: a flat little-endian uint16
+(``vocab`` <= 65536) or uint32 file of token ids, on which a job without ``spec.code`` trains its
+built-in model (whose vocabulary becomes ``vocab``). Any other format is free text for the user's code.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from sqlalchemy import Float, String, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
@@ -27,6 +31,8 @@ from layers.resource.schemas import REGION_RE
 from layers.resource.stores import site_by_name
 
 MAX_LOCATIONS = 64
+TOKENS = "tokens"  # the format CPN's built-in model reads (flat token ids)
+TOKENS_MAX_VOCAB = 2**32
 
 
 class DatasetRow(ResourceRow, Base):
@@ -44,11 +50,27 @@ class DatasetLocation(CamelModel):
 
 class DatasetSpec(CamelModel):
     size_gb: float = Field(alias="sizeGB", gt=0, le=1e9, description="Size in GB (10⁹ bytes): what a copy moves")
-    format: str | None = Field(default=None, max_length=100, description="Free text for your code (parquet, jsonl, …)")
+    format: str | None = Field(default=None, max_length=100, description=(
+        "tokens: flat little-endian uint16/uint32 token ids that CPN's built-in model trains on (give vocab); "
+        "anything else is free text for your code (parquet, jsonl, …)"))
+    vocab: int | None = Field(default=None, ge=2, le=TOKENS_MAX_VOCAB, validate_default=True, description=(
+        "format: tokens: the number of token ids (ids < vocab; uint16 up to 65536, uint32 above)"))
     locations: list[DatasetLocation] = Field(min_length=1, max_length=MAX_LOCATIONS,
                                              description="Sites where replicas already live, and their URIs")
     regions: list[str] = Field(default_factory=list, max_length=64, description=(
         "Residency: jobs on this dataset are placed only in these regions (empty: anywhere)"))
+
+    @field_validator("vocab")
+    @classmethod
+    def _vocab(cls, v: int | None, info: ValidationInfo) -> int | None:
+        tokens = info.data.get("format") == TOKENS
+        if tokens and v is None:
+            raise ValueError("format: tokens needs spec.vocab, the number of token ids (e.g. 50257 for GPT-2's "
+                             "tokenizer, 128256 for Llama 3's): add it")
+        if not tokens and v is not None:
+            raise ValueError(f"spec.vocab is for spec.format: tokens (a flat file of token ids CPN's model trains on), "
+                             f"not {info.data.get('format')!r}: set format: tokens or drop vocab")
+        return v
 
     @field_validator("regions")
     @classmethod

@@ -61,7 +61,10 @@ async def test_bad_datasets_are_refused_naming_the_field(api) -> None:  # type: 
     for body, field in ((dataset(size=0), "spec.sizeGB"),
                         (dataset(locations={"mars-1": "s3://x"}), "spec.locations[0].site"),
                         (dataset(locations={}), "spec.locations"),
-                        (dataset(regions=["EU West"]), "spec.regions")):
+                        (dataset(regions=["EU West"]), "spec.regions"),
+                        (dataset(format="tokens"), "spec.vocab"),  # token ids need their vocabulary
+                        (dataset(vocab=4096), "spec.vocab"),  # a vocabulary for a jsonl file means nothing
+                        (dataset(format="tokens", vocab=1), "spec.vocab")):
         resp = await create(api, body)
         assert resp.status == 422, (field, await resp.text())
         assert (await resp.json())["error"]["field"].startswith(field), await resp.text()
@@ -203,9 +206,16 @@ async def test_the_contract_carries_the_sites_replica_or_the_nearest_ones_uri(ap
                                      json=_job(name, dataset=data, placement={"sites": [site]}))
         assert resp.status == 201, await resp.text()
     home = await _claim(api, db, "at-home", "prov-a")
-    assert home["data"] == {"dataset": "here", "uri": "file:///data/ams"}
+    assert home["data"] == {"dataset": "here", "uri": "file:///data/ams", "format": "jsonl", "vocab": None}
     away = await _claim(api, db, "away", "prov-b")
-    assert away["data"] == {"dataset": "there", "uri": "file:///data/fra"}  # nyc-1 has none: fra-1's
+    assert away["data"] == {"dataset": "there", "uri": "file:///data/fra", "format": "jsonl", "vocab": None}  # fra-1's
+    tokens = dataset("toks", 1, {"fra-1": "file:///data/toks.bin"}, format="tokens", vocab=4096)
+    assert (await create(api, tokens)).status == 201
+    resp = await api.client.post("/api/v1/jobs", headers=api.auth("alice"),
+                                 json=_job("on-tokens", dataset="toks", placement={"sites": ["fra-1"]}))
+    assert resp.status == 201, await resp.text()
+    claimed = await _claim(api, db, "on-tokens", "prov-a")
+    assert claimed["data"] == {"dataset": "toks", "uri": "file:///data/toks.bin", "format": "tokens", "vocab": 4096}
     resp = await api.client.post("/api/v1/jobs", headers=api.auth("alice"), json=_job("plain", placement={"sites": ["fra-1"]}))
     assert resp.status == 201, await resp.text()
     assert (await _claim(api, db, "plain", "prov-a"))["data"] is None  # the built-in corpus: nothing to point at

@@ -77,7 +77,7 @@ from cpn.runtime import checkpoint
 from cpn.runtime.codecs import get_codec
 from cpn.runtime.collectives import site_allreduce, wan_allreduce
 from cpn.runtime.config import TrainConfig, trim_shares
-from cpn.runtime.data import ShardSampler, load_corpus, split_corpus
+from cpn.runtime.data import ShardSampler, load_data, split_corpus
 from cpn.runtime.device import HOST, autocast
 from cpn.runtime.stages import LMUnits, Stage, cut_units, units_of
 from cpn.runtime.strategies.base import Context, SiteExchange, Strategy, make_optimizer, site_broadcast, weigh
@@ -194,7 +194,7 @@ class Pipeline(Strategy):
         self.feed: tuple[Tensor | None, Tensor | None] = (None, None)
         self.takes_inputs = not self.builtin and self.stage.has_embed
         if self.stage.has_embed and self.builtin:  # the stage's ranks split the whole corpus (the worker's own sampler has 1/world)
-            train = split_corpus(load_corpus(self.cfg.corpus_bytes)).train
+            train = split_corpus(load_data(self.cfg)).train
             shard, shards = feeder_shard(self.cfg, topo, ctx.site, self.local)
             self.sampler = ShardSampler(train, shard=shard, num_shards=shards, seq_len=self.cfg.seq_len,
                                         seed=self.cfg.seed)

@@ -100,7 +100,8 @@ async def data_ref(session: AsyncSession, job: JobRow, site: str) -> DataRef | N
         move = data_model.routes(need_of(row), [site], await wan_links(session))[site]
         source = move.source if move is not None else None
         uri = uris.get(source) if source else next(iter(uris.values()), None)
-    return DataRef(dataset=split_key(row.name)[1], uri=uri)
+    return DataRef(dataset=split_key(row.name)[1], uri=uri, format=(row.spec or {}).get("format"),
+                   vocab=(row.spec or {}).get("vocab"))
 
 
 async def readers(session: AsyncSession, owner_id: str, key: str) -> list[str]:
