@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import insert, select
 
+from cpn.cli.ctl.output import metric_lines
 from cpn.core.db import new_uid
 from layers.orchestration.lifecycle.metric_series import width_for
 from layers.orchestration.lifecycle.models import MetricRow
@@ -77,6 +78,9 @@ async def test_a_100k_step_run_is_served_whole_downsampled_and_paged(api, db) ->
                               "wanBytes": pytest.approx(1000.0 * 400 * 3 + 10.0 * STEPS * 3),
                               "wallSeconds": pytest.approx(0.5 * STEPS + 1), "workers": RANKS}
     assert body["items"] == [] and body["metadata"]["more"] is True
+    described = metric_lines(body)  # what `cpnctl describe job` prints under Metrics:
+    assert described[0].split() == ["step:", str(STEPS), "(attempt", "2,", str(RANKS), "workers)"]
+    assert described[1].split() == ["tokens:", str(TOKENS_PER_STEP * STEPS)]
     print(f"series of {len(points)} points over {covered} steps in {elapsed:.2f} s")
 
     # the raw reports page by the cursor, whole steps per page, to the newest step

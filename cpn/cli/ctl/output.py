@@ -180,6 +180,9 @@ def describe(obj: dict[str, Any]) -> str:
         rows = [_subtask_row(t) for t in obj["subtasks"]]
         lines.extend("  " + line for line in format_rows(["NAME", "ATTEMPT", "SITE", "CLUSTER", "GPUS", "PHASE",
                                                           "LAUNCHES"], rows).splitlines())
+    if obj.get("metrics"):
+        lines.append("Metrics:")
+        lines.extend("  " + line for line in metric_lines(obj["metrics"]))
     for extra in ("events",):
         if obj.get(extra):
             lines.append("Events:")
@@ -188,6 +191,26 @@ def describe(obj: dict[str, Any]) -> str:
             lines.extend("  " + line for line in format_rows(["AGE", "TYPE", "REASON", "MESSAGE"], rows)
                          .splitlines())
     return "\n".join(lines)
+
+
+def metric_lines(metrics: dict[str, Any]) -> list[str]:
+    """A job's metrics as the server reads them from every report (GET .../metrics: `totals` and the
+    newest `series` point, exact): never from a window of them, so a run of any length reads true."""
+    totals, points = metrics.get("totals") or {}, (metrics.get("series") or {}).get("points") or []
+    if totals.get("step") is None:
+        return ["no reports yet"]
+    newest = points[-1] if points else {}
+
+    def mean(key: str) -> str:
+        return f"{newest[key]['mean']:.4g}" if newest.get(key) else "-"
+
+    wall = float(totals.get("wallSeconds") or 0.0)
+    return [f"step:          {totals['step']} (attempt {totals.get('attempt')}, {totals.get('workers')} workers)",
+            f"tokens:        {totals.get('tokens')}",
+            f"trainLoss:     {mean('trainLoss')}",
+            f"tokensPerSec:  {mean('tokensPerSecond')}",
+            f"trainingTime:  {wall:.0f} s",
+            f"wanBytes:      {float(totals.get('wanBytes') or 0):.0f} ({float(totals.get('wanBytes') or 0) / 1e9:.3f} GB)"]
 
 
 def _subtask_row(t: dict[str, Any]) -> list[str]:

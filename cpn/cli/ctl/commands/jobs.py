@@ -154,12 +154,19 @@ def _progress_text(st: dict[str, Any], currency: str, *, percent: bool = False) 
 
 
 @cli.command()
-@click.argument("what", type=click.Choice(["sites", "links"]))
+@click.argument("what", type=click.Choice(["sites", "links", "job"]))
+@click.argument("name", required=False)
 @OUTPUT
 @pass_ctx
-def top(obj: Ctx, what: str, fmt: str) -> None:
-    """Live usage: per site (GPUs capacity / allocatable / leased, running sub-tasks) or per link
-    (bandwidth, RTT, how many running jobs span both of its ends)."""
+def top(obj: Ctx, what: str, name: str | None, fmt: str) -> None:
+    """Live usage: per site (GPUs capacity / allocatable / leased, running sub-tasks), per link
+    (bandwidth, RTT, how many running jobs span both of its ends), or a job's run (`top job NAME`:
+    its newest step, tokens, loss, throughput and WAN bytes, exact at any length)."""
+    if what == "job":
+        _top_job(obj, name, fmt)
+        return
+    if name:
+        raise click.UsageError(f"top {what} takes no NAME (top job NAME shows one job)")
     data = obj.client.get(f"/api/v1/top/{what}")
     if fmt in ("json", "yaml"):
         click.echo(output.dump(data, fmt))
@@ -177,6 +184,30 @@ def top(obj: Ctx, what: str, fmt: str) -> None:
             for i in data["items"]]
     click.echo(output.format_rows(["SITE", "REGION", "PROVIDER", "READY", "CAPACITY", "ALLOCATABLE", "LEASED",
                                    "UTIL", "RUNNING"], rows))
+
+
+def _top_job(obj: Ctx, name: str | None, fmt: str) -> None:
+    if not name:
+        raise click.UsageError("top job needs the job's NAME: cpnctl top job NAME")
+    data = obj.client.get(f"/api/v1/jobs/{obj.ref(name)}/metrics", maxPoints=16, maxReports=0)
+    if fmt in ("json", "yaml"):
+        click.echo(output.dump({"totals": data["totals"], "series": data["series"]}, fmt))
+        return
+    totals, points = data["totals"], data["series"]["points"]
+    if totals["step"] is None:
+        click.echo(f"{name}: no metric reports yet.", err=True)
+        return
+    newest = points[-1]
+
+    def mean(key: str) -> str:
+        return f"{newest[key]['mean']:.4g}" if newest.get(key) else "-"
+
+    val = next((p["valLoss"]["mean"] for p in reversed(points) if p.get("valLoss")), None)
+    row = [name, str(totals["attempt"]), str(totals["step"]), str(totals["tokens"]), mean("trainLoss"),
+           "-" if val is None else f"{val:.4g}", mean("tokensPerSecond"), str(totals["workers"]),
+           f"{totals['wallSeconds']:.0f}s", f"{totals['wanBytes'] / 1e9:.3f}"]
+    click.echo(output.format_rows(["JOB", "ATTEMPT", "STEP", "TOKENS", "LOSS", "VAL LOSS", "TOKENS/S", "WORKERS",
+                                   "TIME", "WAN GB"], [row]))
 
 
 def _number(value: Any) -> str:

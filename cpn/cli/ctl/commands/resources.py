@@ -139,6 +139,7 @@ def describe(obj: Ctx, kind: str, name: str) -> None:
     if k["kind"] == "TrainingJob":
         manifest["events"] = obj.client.get("/api/v1/events", job=obj.qualified(name))["items"]
         manifest["subtasks"] = obj.client.get(f"/api/v1/jobs/{obj.ref(name)}/subtasks")["items"]
+        manifest["metrics"] = obj.client.get(f"/api/v1/jobs/{obj.ref(name)}/metrics", maxPoints=8, maxReports=0)
     click.echo(output.describe(manifest))
 
 
