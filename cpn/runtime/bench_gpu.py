@@ -64,7 +64,8 @@ def devices() -> list[dict[str, Any]]:
 def flops_per_token(model: TransformerLM, seq_len: int) -> float:
     cfg = model.cfg
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    matmul += cfg.vocab_size * cfg.d_model  # the tied output projection
+    if cfg.tie_embeddings:
+        matmul += cfg.vocab_size * cfg.d_model  # the tied output projection (an untied one is a Linear)
     return 6.0 * matmul + 12.0 * cfg.n_layers * cfg.d_model * seq_len
 
 
@@ -169,7 +170,8 @@ def _throughput(opts: GpuBenchOptions, peak: Peak) -> list[dict[str, Any]]:
         known = peak(name)
         if device.type == "cpu":
             torch.set_num_threads(1)
-        presets = opts.presets or (sorted(PRESETS, key=lambda p: PRESETS[p].d_model) if device.type == "cuda"
+        small = [p for p in PRESETS if PRESETS[p].parameters < 200e6]  # not the real-size shapes
+        presets = opts.presets or (sorted(small, key=lambda p: PRESETS[p].d_model) if device.type == "cuda"
                                    else ["tiny", "small"])
         for preset in presets:
             row = {"device": name, "gpuModel": known[0] if known else None}
