@@ -25,6 +25,7 @@ from cpn.core.principal import Role
 from cpn.runtime.contract import AttemptSpec
 from layers.orchestration.lifecycle import agents, checkpoints, learning, logs, metering, metric_series, views
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
+from layers.resource.bundles import final_key
 from layers.service.contracts import contract_of
 from layers.service.jobs import TERMINAL, JobStore, job_key, load_job
 
@@ -248,7 +249,8 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
         lease_ttl=timedelta(seconds=settings.lease_ttl_seconds),
         claim_timeout=timedelta(seconds=settings.claim_timeout_seconds),
         quote_ttl=timedelta(seconds=settings.quote_ttl_seconds),
-        interval=settings.reconcile_interval_seconds))
+        interval=settings.reconcile_interval_seconds,
+        final_weights=lambda uid: app[state.BLOBS].exists(final_key(uid))))
     app[RECONCILER] = reconciler
     task = asyncio.create_task(reconciler.run_forever()) if settings.reconcile else None
     yield

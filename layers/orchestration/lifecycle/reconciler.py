@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -60,6 +61,8 @@ class ReconcilerConfig:
     interval: float = 1.0
     # how long the quotes a finished profile run brings stay open (spec.profile)
     quote_ttl: timedelta = timedelta(seconds=Settings.model_fields["quote_ttl_seconds"].default)
+    # whether the job (by uid) has its final weights in the blob store; None: not checked (no store)
+    final_weights: Callable[[str], bool] | None = None
 
     def timeouts(self) -> workflow.Timeouts:
         return workflow.Timeouts(heartbeat=self.heartbeat_timeout, quote_ttl=self.quote_ttl, lease_ttl=self.lease_ttl)
@@ -310,6 +313,9 @@ class Reconciler:
         # weights) among them — a pipeline replica that broke leaves early but cleanly
         rank0 = any(t.first_rank == 0 for t in ok)
         if ok and (len(ok) == len(subtasks) or (elastic(job.status) and rank0)):
+            if (missing := await self._outputs_missing(job)) is not None:
+                await self._finish(s, job, "Failed", "OutputsNotStored", missing)
+                return
             await self._finish(s, job, "Succeeded", "Completed",
                                f"{len(ok)} of {len(subtasks)} site(s) finished the token budget")
             return
@@ -317,6 +323,18 @@ class Reconciler:
             await self._finish(s, job, "Cancelled", "Cancelled", "cancelled by the user")
             return
         await self._retry_or_fail(s, job, subtasks)
+
+    async def _outputs_missing(self, job: JobRow) -> str | None:
+        """Why a job whose sites all finished is not Succeeded: its final weights are not stored (issue
+        36, item 1: the blob store or the API was down as training ended, and the job said Succeeded
+        with no model). The sites' runners retry for their outage window before they report an end, so
+        a missing model here is lost for the server; the site keeps its copy on disk."""
+        check = self.cfg.final_weights
+        if check is None or await asyncio.to_thread(check, job.id):
+            return None
+        return ("the workers finished, but the job's final weights never reached the server's blob store "
+                "(it or the API was unavailable for longer than the sites' outage window); the sites keep "
+                "their copy on disk")
 
     async def _retry_or_fail(self, s: AsyncSession, job: JobRow, subtasks: list[SubtaskRow]) -> None:
         """A synchronous job lost a site: restart from the latest checkpoint on a new placement from
