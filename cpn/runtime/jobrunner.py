@@ -426,6 +426,12 @@ def _transient(exc: Exception) -> bool:
     return isinstance(exc, httpx.HTTPError)
 
 
+def _why(exc: Exception) -> str:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code} {exc.response.text[:200]}".strip()
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
 @dataclass
 class _Upload:
     """One of the epilogue's uploads: done, given up (refused for good), or still to retry."""
@@ -441,7 +447,7 @@ class _Upload:
         try:
             self.send()
         except (httpx.HTTPError, OSError) as exc:
-            self.error = f"{type(exc).__name__}: {exc}"[:300]
+            self.error = _why(exc)
             if not _transient(exc):
                 self.done, self.refused = True, self.error
             return
