@@ -27,6 +27,8 @@ if (Path(__file__).parent / "conftest_kube.py").exists():
     pytest_plugins.append("tests.conftest_kube")
 
 PG_DEFAULT = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+# the accounts the `api` fixture hands out tokens for (minted once into a template, see DatabaseFactory)
+API_ACCOUNTS = [("admin", "admin"), ("prov-a", "provider"), ("prov-b", "provider"), ("alice", "user"), ("bob", "user")]
 
 
 def _pg_url() -> str | None:
@@ -50,12 +52,25 @@ def _with_db(url: str, name: str) -> str:
     return f"{base}/{name}"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`db` marks every test that gets a database (its fixtures reach `db_factory`): CI's PostgreSQL pass
+    runs `-m db` only. A `postgres` test runs only when CPN_TEST_DATABASE_URL is set, i.e. in that pass."""
+    on_pg = bool(_pg_url())
+    for item in items:
+        if "db_factory" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.db)
+        if item.get_closest_marker("postgres") and not on_pg:
+            item.add_marker(pytest.mark.skip(reason="runs in CI's PostgreSQL pass (CPN_TEST_DATABASE_URL is unset)"))
+
+
 class DatabaseFactory:
     """Migrates one template per session, then hands each test a fresh copy of it."""
 
     def __init__(self, tmp: Path, pg_url: str | None):
         self.tmp, self.pg_url = tmp, pg_url
         self.template: str | None = None
+        self.with_tokens: str | None = None
+        self.tokens: dict[str, str] = {}
         self.created: list[str] = []
 
     def _template(self) -> str:
@@ -73,8 +88,28 @@ class DatabaseFactory:
             self.template = str(path)
         return self.template
 
-    def new(self) -> str:
-        template = self._template()
+    def _template_with_tokens(self) -> str:
+        """A second template that also holds the `api` fixture's five tokens: minting them costs five
+        argon2 hashes, which per test was the largest part of an API test's setup."""
+        if self.with_tokens:
+            return self.with_tokens
+        url = self._copy(self._template())
+        database = Database(url)
+
+        async def mint() -> dict[str, str]:
+            try:
+                return {name: await make_token(database, name, role) for name, role in API_ACCOUNTS}
+            finally:
+                await database.dispose()
+
+        self.tokens = asyncio.run(mint())
+        self.with_tokens = url.rpartition("/")[2] if self.pg_url else url.removeprefix("sqlite+aiosqlite:///")
+        return self.with_tokens
+
+    def new(self, *, tokens: bool = False) -> str:
+        return self._copy(self._template_with_tokens() if tokens else self._template())
+
+    def _copy(self, template: str) -> str:
         if self.pg_url:
             name = f"cpn_t_{uuid.uuid4().hex[:10]}"
             asyncio.run(_pg_admin(self.pg_url, f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
@@ -109,8 +144,8 @@ def db_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DatabaseFac
 
 
 @pytest.fixture
-def db_url(db_factory: DatabaseFactory) -> str:
-    return db_factory.new()
+def db_url(db_factory: DatabaseFactory, request: pytest.FixtureRequest) -> str:
+    return db_factory.new(tokens="api" in request.fixturenames)
 
 
 @pytest.fixture
@@ -144,16 +179,12 @@ class Api:
 
 
 @pytest.fixture
-async def api(aiohttp_client, settings: Settings, db: Database) -> Api:  # type: ignore[no-untyped-def]
+async def api(aiohttp_client, settings: Settings, db: Database, db_factory: DatabaseFactory) -> Api:  # type: ignore[no-untyped-def]
     from cpn.api.app import create_app
 
     app = create_app(settings, db, migrate=False)
     client = await aiohttp_client(app)
-    tokens = {}
-    for name, role in [("admin", "admin"), ("prov-a", "provider"), ("prov-b", "provider"),
-                       ("alice", "user"), ("bob", "user")]:
-        tokens[name] = await make_token(db, name, role)
-    return Api(client=client, tokens=tokens)
+    return Api(client=client, tokens=dict(db_factory.tokens))
 
 
 

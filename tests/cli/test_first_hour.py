@@ -160,6 +160,7 @@ def test_token_create_refuses_a_database_that_is_not_the_servers(hour, tmp_path)
     assert out.returncode == 0 and "token stored in" in out.stderr
 
 
+@pytest.mark.db  # its second half runs in the PostgreSQL pass
 def test_database_url_without_a_driver_means_asyncpg(tmp_path) -> None:
     env = {**os.environ, "CPN_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none"}
     out = run_cli(["cpn", "db", "current"], env)
