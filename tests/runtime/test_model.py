@@ -69,3 +69,11 @@ def test_meta_build_then_init_weights_equals_the_cpu_build_for_both_archs(name: 
     lazy.init_weights()
     assert all(torch.equal(a, b) for a, b in zip(direct.state_dict().values(), lazy.state_dict().values(), strict=True))
     assert count_parameters(direct) == PRESETS[name].parameters
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_built_on_the_meta_device_holds_its_stated_parameters(name: str) -> None:
+    model = build_model(name, device="meta")
+    assert count_parameters(model) == PRESETS[name].parameters
+    assert len(model.blocks) == PRESETS[name].n_layers and model.tok.weight.shape == (PRESETS[name].vocab_size,
+                                                                                       PRESETS[name].d_model)
