@@ -126,3 +126,32 @@ async def test_the_yaml_bomb_to_the_api_is_a_prompt_422_naming_the_body(api) -> 
         assert r.status == 422 and body["error"]["field"] == "body", body
         assert "aliases" in body["error"]["message"] and "not supported" in body["error"]["message"]
         assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.slow  # the stage cut imports the runtime's model (torch) once
+def test_a_replicated_pipeline_on_40_sites_prices_a_bounded_number_of_chains(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """H2: every ordered choice of 4 of the D·4 strongest sites was priced (11,880 at D = 3: 17 s of CPU; at
+    D = 10, 2.2 million and 11.7 GB). The walk past EXHAUSTIVE_CHOICES prices at most HEURISTIC_ORDERS."""
+    from layers.orchestration.planning import bench, perf, pipeline, placement
+    from layers.orchestration.planning.types import JobRequirements, ModelShape, Objective
+    from layers.service.schemas import MODEL_PRESETS
+
+    offers, links = bench.world(40, 80, seed=7, links=780)  # a full mesh: every chain is linked
+    shape = MODEL_PRESETS["llama-7b"]
+    priced = []
+    real = perf.predict_pipeline
+    monkeypatch.setattr(perf, "predict_pipeline", lambda *a, **k: priced.append(1) or real(*a, **k))
+    for d in (3, 10):
+        priced.clear()
+        req = JobRequirements(model=ModelShape(shape["parameters"], shape["layers"], shape["hidden"], shape["seqLen"]),
+                              tokens=2_000_000_000, global_batch_tokens=1_048_576, strategy="pipeline", stages=4,
+                              data_replicas=d, sites_max=40)
+        start = time.process_time()
+        try:
+            plan = placement.plan(req, offers, links, Objective())
+            assert sorted({(a.replica, a.stage) for a in plan.assignments}) == [(r, s) for r in range(d)
+                                                                                for s in range(4)]
+        except errors.Infeasible as exc:
+            assert exc.field == "spec.parallelism.dataReplicas", exc
+        assert len(priced) <= pipeline.HEURISTIC_ORDERS * pipeline.WIDTHS + 8 * pipeline.WIDTHS * 2, len(priced)
+        assert time.process_time() - start < 5
