@@ -18,7 +18,6 @@ from layers.service import billing
 from layers.service import quotes as quotes_mod
 from layers.service.jobs import load_job, set_phase, update_status
 from layers.service.models import ContractRow, JobRow, QuoteRow
-from layers.service.schemas import TrainingJobSpec, pricing_only_reason
 
 
 class QuoteUnavailable(errors.Conflict):
@@ -45,9 +44,6 @@ async def accept(session: AsyncSession, principal: Principal, job_name: str, ref
     job = await load_job(session, principal, job_name, lock=True)
     if job.phase != "Quoted":
         raise errors.Conflict(f"job {job_name!r} is {job.phase}; only a Quoted job can accept a quote")
-    reason = pricing_only_reason(TrainingJobSpec.model_validate(job.spec))
-    if reason:
-        raise errors.Infeasible(f"{reason}; its quotes cannot be accepted", field="spec.model")
     quote = await quotes_mod.find_quote(session, job, ref)
     if quote.state != "open":
         raise QuoteUnavailable(f"quote {quote.label} ({quote.id}) is {quote.state}", field="quote")
@@ -69,8 +65,10 @@ async def accept(session: AsyncSession, principal: Principal, job_name: str, ref
     set_phase(job, "Accepted", "QuoteAccepted", f"accepted {quote.label} quote {quote.id}", now)
     set_phase(job, "Reserved", "GpusLeased", f"{sum(w.gpus for w in wants)} GPUs leased at "
               f"{len({w.cluster for w in wants})} cluster(s)", now)
+    memory = {k: quote.prediction[k] for k in ("shard", "activationCheckpointing") if k in (quote.prediction or {})}
     update_status(job, contract=contract.id, quote=quote.id, strategy=quote.strategy, placement=quote.placement,
-                  ring=quote.ring, predictedSeconds=quote.predicted_seconds, quoteLines=quote.lines,
+                  ring=quote.ring, **({"memory": memory} if memory else {}),  # the quote's memory plan: the runtime's
+                  predictedSeconds=quote.predicted_seconds, quoteLines=quote.lines,
                   price={"total": str(billing.to_cent(Decimal(quote.total))), "currency": quote.currency})
     return Accepted(job=job, contract=contract, quote=quote, leases=taken)
 

@@ -16,7 +16,6 @@ from cpn.core.principal import Principal
 from cpn.core.store import is_retired
 from layers.service.jobs import JobStore, load_job
 from layers.service.models import JobRow, QuoteRow
-from layers.service.schemas import TrainingJobSpec, pricing_only_reason
 
 LABELS = ("cheapest", "fastest", "balanced")
 RECOMMENDED = "balanced"  # the objective's own choice; the other two are its extremes
@@ -51,8 +50,7 @@ def _by_label(rows: Any) -> list[Any]:
 
 def _shown(rows: list[Any], spec: dict[str, Any], status: dict[str, Any]) -> list[dict[str, Any]]:
     """`views` of a job's quote rows, given its stored spec and status."""
-    reason = pricing_only_reason(TrainingJobSpec.model_validate(spec))
-    return views([public(q) for q in rows], status.get("quote"), pricing_only=reason)  # `recommended` says which is advised
+    return views([public(q) for q in rows], status.get("quote"))  # `recommended` says which is advised
 
 
 async def find_quote(session: AsyncSession, job: JobRow, ref: str) -> QuoteRow:
@@ -132,16 +130,23 @@ def public(quote: QuoteRow) -> dict[str, Any]:
         **({"trains": quote.prediction["trains"]} if "trains" in (quote.prediction or {}) else {}),
         # what finished runs taught the compute model (GET /api/v1/calibrations); factor 1: nothing yet
         **({"model": {"stepFactor": round(quote.prediction["stepFactor"], 4),
-                      "startupSeconds": round(quote.prediction.get("startupSeconds", 0.0), 2)}}
+                      "startupSeconds": round(quote.prediction.get("startupSeconds", 0.0), 2),
+                      **_memory(quote.prediction)}}
            if "stepFactor" in (quote.prediction or {}) else {}),
     }
 
 
-def views(quotes: list[dict[str, Any]], chosen: str | None, *, pricing_only: str | None = None,
-          now: datetime | None = None) -> list[dict[str, Any]]:
+def _memory(prediction: dict[str, Any]) -> dict[str, Any]:
+    """The quote's memory plan (quotes priced before it was stated have none)."""
+    if "memoryGBPerGpu" not in prediction:
+        return {}
+    return {"memoryGBPerGpu": round(prediction["memoryGBPerGpu"], 3), "shard": prediction.get("shard", "none"),
+            "activationCheckpointing": prediction.get("activationCheckpointing", "none")}
+
+
+def views(quotes: list[dict[str, Any]], chosen: str | None, *, now: datetime | None = None) -> list[dict[str, Any]]:
     """Quotes as the CLI and the portal show them: how each differs from the cheapest, which one is
-    recommended, whether it has expired, whether it may be accepted at all, and times that never
-    read the same when they differ."""
+    recommended, whether it has expired, and times that never read the same when they differ."""
     now = now or datetime.now(UTC)
     items = [_view(q, chosen, now) for q in quotes]
     cheapest = min((Decimal(q["price"]["total"]) for q in items), default=Decimal(0))
@@ -151,9 +156,8 @@ def views(quotes: list[dict[str, Any]], chosen: str | None, *, pricing_only: str
         item["recommended"] = item["label"] == RECOMMENDED
         item["timesCheapest"] = float(Decimal(item["price"]["total"]) / cheapest) if cheapest > 0 else 1.0
         item["confirm"] = item["timesCheapest"] >= CONFIRM_ABOVE_CHEAPEST
-        item["pricingOnly"] = pricing_only
         item["note"] = "; ".join(n for n in (
-            "expired" if item["state"] == "expired" else "", "pricing only" if pricing_only else "",
+            "expired" if item["state"] == "expired" else "",
             f"same as {same}" if same else "", "recommended" if item["recommended"] else "",
             (item.get("trains") or {}).get("note") or "") if n)
     for item, text in zip(items, distinct_durations([i["predictedSeconds"] for i in items]), strict=True):

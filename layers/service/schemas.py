@@ -12,7 +12,13 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from cpn.core import errors
 from cpn.core.manifest import CamelModel, ManifestBase, Money
 from cpn.runtime import presets
-from cpn.runtime.config import PS_STRATEGIES, STRATEGIES, StrategyConfig
+from cpn.runtime.config import (
+    PS_STRATEGIES,
+    SHARDABLE_STRATEGIES,
+    STRATEGIES,
+    UNSHARDABLE_REASONS,
+    StrategyConfig,
+)
 
 Strategy = Literal.__getitem__(("auto", *STRATEGIES))  # the runtime's strategies (one source) and "auto"
 LAYERS_MAX = 1024  # a model's units: far above any transformer's blocks; the planner's stage cuts grow with them
@@ -24,10 +30,15 @@ IMAGE_RE = (r"^(?:[A-Za-z0-9.-]+(?::[0-9]{1,5})?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-
             r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
             r"(?:@sha256:[0-9a-f]{64})?$")
 
-# Named model sizes (one table, cpn/runtime/presets.py): the runtime's byte-level LMs that really train
-# here, then real-world sizes for pricing real clusters.
+# Named model sizes (one table, cpn/runtime/presets.py): every one is a model the runtime builds and
+# trains, from CPN's CPU-sized byte LMs to the published Llama shapes (and the names earlier releases
+# priced, aliases of those).
 MODEL_PRESETS: dict[str, dict[str, int]] = presets.shapes()
-RUNNABLE_PRESETS = frozenset(presets.PRESETS)
+RUNNABLE_PRESETS = frozenset(presets.PRESETS)  # all of them: nothing is priced for reference only
+# a custom shape of the built-in model: spec.model's keys (presets.CUSTOM_KEYS), the ones it must give
+SHAPE_KEYS = tuple(presets.CUSTOM_KEYS)
+SHAPE_REQUIRED = ("layers", "hidden", "heads", "vocab", "seqLen")
+_SHAPE_ONLY = ("heads", "kvHeads", "ffnHidden", "vocab", "tieEmbeddings", "ropeTheta")  # no code's description has them
 
 
 # what an unset spec.backupWorkers runs with: the runtime's default (cpn/runtime/config.py, one source)
@@ -35,17 +46,30 @@ BACKUP_WORKERS = int(StrategyConfig.model_fields["backup_workers"].default)
 
 
 class ModelSpec(CamelModel):
+    """CPN's built-in model by ``preset`` name or by its shape (``layers, hidden, heads, vocab, seqLen``
+    and optionally ``kvHeads, ffnHidden, tieEmbeddings, ropeTheta``: a Llama-style decoder), or, with
+    spec.code, the user's own model described by ``parameters`` (and ``layers, hidden, seqLen``)."""
+
     model_config = {**CamelModel.model_config, "json_schema_extra": {  # what _complete checks, published
-        "anyOf": [{"required": ["preset"]}, {"required": ["parameters"]}]}}
+        "anyOf": [{"required": ["preset"]}, {"required": ["parameters"]}, {"required": list(SHAPE_REQUIRED)}]}}
 
     preset: str | None = Field(default=None, json_schema_extra={"enum": [*MODEL_PRESETS, None]})
-    parameters: int | None = Field(default=None, gt=0)
+    parameters: int | None = Field(default=None, gt=0, description=(
+        "With spec.code: your model's parameter count (CPN counts a preset's or a shape's itself)"))
     layers: int | None = Field(default=None, gt=0, le=LAYERS_MAX, description=(
         "A transformer's blocks; with spec.code and the pipeline strategy, the nn.Sequential's children (the "
         "units it is cut between)"))
     hidden: int | None = Field(default=None, gt=0, description=(
         "A transformer's width; with spec.code and the pipeline strategy, the width of the activation a cut "
         "carries (hidden x seqLen values per unit)"))
+    heads: int | None = Field(default=None, gt=0, description="The built-in model's attention heads")
+    kv_heads: int | None = Field(default=None, gt=0, description=(
+        "Key/value heads (grouped-query attention; heads must be a multiple); unset: heads"))
+    ffn_hidden: int | None = Field(default=None, gt=0, description=(
+        "The SwiGLU MLP's width; unset: Llama's 8/3 x hidden rounded up to 256"))
+    vocab: int | None = Field(default=None, gt=0, description="The built-in model's vocabulary size")
+    tie_embeddings: bool | None = Field(default=None, description="Share the input and output embedding; unset: no")
+    rope_theta: float | None = Field(default=None, gt=0, description="Rotary embeddings' base; unset: 10000")
     seq_len: int | None = Field(default=None, gt=0)
     flops_per_unit: float | None = Field(default=None, gt=0, le=1e18, description=(
         "FLOPs one unit (token, sample …) costs in training, forward and backward; default 6 × parameters"))
@@ -53,30 +77,83 @@ class ModelSpec(CamelModel):
         "Activation memory one unit holds during training, in bytes; with seqLen units per sequence it "
         "sizes the GPU memory a worker needs (default: a transformer's 34 × hidden × layers)"))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _shape(cls, data: Any) -> Any:
+        """A custom shape is built by the runtime: checked here as the runtime will check it, the error
+        at the key to fix (spec.model.heads …)."""
+        if not isinstance(data, dict) or data.get("preset") is not None or not _is_shape(data):
+            return data
+        if data.get("parameters") is not None:
+            raise _shape_error("parameters", data, "a shape's parameters are counted by CPN: drop "
+                               "spec.model.parameters (it describes your own code, with spec.code)")
+        missing = [k for k in SHAPE_REQUIRED if data.get(k) is None]
+        if missing:
+            raise _shape_error(missing[0], data, f"is missing: CPN's built-in model is built from its shape, "
+                               f"{', '.join(SHAPE_REQUIRED)} (kvHeads and ffnHidden optional); add {missing[0]}, "
+                               "or name a preset")
+        try:
+            presets.resolve({k: data[k] for k in SHAPE_KEYS if data.get(k) is not None})
+        except ValueError as exc:
+            message = str(exc)
+            key = next((k for k in sorted(SHAPE_KEYS, key=message.find) if k in message), "layers")
+            raise _shape_error(key, data, message) from exc
+        return data
+
     @model_validator(mode="after")
     def _complete(self) -> ModelSpec:
         if self.preset is not None:
             if self.preset not in MODEL_PRESETS:
-                raise ValueError(f"unknown model preset {self.preset!r}; valid presets: {', '.join(MODEL_PRESETS)} "
-                                 f"(the runtime trains {', '.join(sorted(RUNNABLE_PRESETS, key=list(MODEL_PRESETS).index))}"
-                                 "; the others are for pricing), or give parameters, layers, hidden and seqLen")
-        elif self.parameters is None:
-            raise ValueError("give a preset, or parameters (the model's parameter count; layers, hidden and seqLen "
-                             "refine the price of a transformer)")
+                raise ValueError(f"unknown model preset {self.preset!r}; valid presets: {', '.join(MODEL_PRESETS)}, "
+                                 f"or give a shape {{{', '.join(SHAPE_REQUIRED)}}}")
+        elif self.parameters is None and not self.is_shape:
+            raise ValueError(f"give a preset, or the built-in model's shape {{{', '.join(SHAPE_REQUIRED)}}}, or "
+                             "with spec.code parameters (your model's parameter count)")
         return self
 
     @property
+    def is_shape(self) -> bool:
+        """A custom shape of CPN's built-in model (not a preset, not a user's code)."""
+        return self.preset is None and self.heads is not None
+
+    @property
     def runnable(self) -> bool:
-        """Whether CPN's runtime can train this model (the others are priced for reference only)."""
-        return self.preset in RUNNABLE_PRESETS
+        """Whether CPN's runtime builds this model: a preset or a shape (a user's code builds its own)."""
+        return self.preset in RUNNABLE_PRESETS or self.is_shape
+
+    def runtime_model(self) -> str | dict[str, Any]:
+        """What the runtime builds (TrainConfig.model): the preset's name, or the shape's keys."""
+        if self.preset is not None:
+            return self.preset
+        return {k: v for k, v in self.model_dump(by_alias=True).items() if k in SHAPE_KEYS and v is not None}
+
+    def config(self) -> presets.ModelConfig | None:
+        """The built-in model's configuration (None: a user's code)."""
+        if self.preset is not None:
+            return presets.PRESETS[self.preset]
+        return presets.resolve(self.runtime_model()) if self.is_shape else None
 
     def shape(self) -> dict[str, Any]:
+        cfg = self.config()
         if self.preset:
-            return dict(MODEL_PRESETS[self.preset])
+            return {**MODEL_PRESETS[self.preset], "vocab": cfg.vocab_size if cfg else 0}
+        if cfg is not None:
+            return {**presets.shape_of(cfg, self.seq_len), "vocab": cfg.vocab_size}
         # parameters alone (a user's own model, spec.code): 6 FLOPs per parameter per unit, no attention
         # term, unless the user states flopsPerUnit (and bytesPerUnit for the memory check)
         return {"parameters": self.parameters, "layers": self.layers or 1, "hidden": self.hidden or 1,
                 "seqLen": self.seq_len or 1, "flopsPerUnit": self.flops_per_unit, "bytesPerUnit": self.bytes_per_unit}
+
+
+def _is_shape(data: dict[str, Any]) -> bool:
+    """A model written as the built-in model's shape: a key only shapes have, or no parameters."""
+    return any(data.get(k) is not None for k in _SHAPE_ONLY) or data.get("parameters") is None and any(
+        data.get(k) is not None for k in SHAPE_KEYS)
+
+
+def _shape_error(key: str, data: dict[str, Any], message: str) -> ValidationError:
+    return ValidationError.from_exception_data("ModelSpec", [InitErrorDetails(
+        type=PydanticCustomError("model_shape", message), loc=(key,), input=data.get(key))])
 
 
 def _range_only(what: str, example: str) -> Any:
@@ -122,7 +199,8 @@ class ObjectiveSpec(CamelModel):
 
 class ParallelismSpec(CamelModel):
     """How the model is split: ``pipelineStages`` contiguous stages, one per site (the pipeline
-    strategy), times ``dataReplicas`` copies of that pipeline. Unset: the planner chooses."""
+    strategy), times ``dataReplicas`` copies of that pipeline; whether each site's ranks shard the model
+    (``shard``) and recompute activations (``activationCheckpointing``). Unset: the planner chooses."""
 
     pipeline_stages: int | None = Field(default=None, ge=2, le=64, description=(
         "Cut the model into exactly this many pipeline stages, one per site (strategy pipeline)"))
@@ -130,6 +208,13 @@ class ParallelismSpec(CamelModel):
         "Replicas of the whole pipeline, each on its own sites (dataReplicas x stages sites), each training "
         "1/dataReplicas of every step's sequences; a stage's replicas average every innerSteps steps "
         "(strategy pipeline or auto; with spec.code, spec.model.layers and hidden describe the cut)"))
+    shard: Literal["auto", "none", "site"] = Field(default="auto", description=(
+        "site: parameters, gradients and optimizer state sharded over the GPUs of each site (FSDP2), so a model "
+        "too big for one GPU trains; none: every GPU holds the whole model; auto: site only where the whole "
+        f"model does not fit. Strategies {', '.join(SHARDABLE_STRATEGIES)} run sharded"))
+    activation_checkpointing: Literal["auto", "none", "full"] = Field(default="auto", description=(
+        "full: every block recomputes its activations in the backward pass (about a third more compute, far "
+        "less activation memory); auto: only where activations would not fit"))
 
 
 ENTRYPOINT_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
@@ -170,12 +255,15 @@ class TrainingJobSpec(CamelModel):
     placement: PlacementRequest = Field(default_factory=PlacementRequest)
     deadline: str | None = Field(default=None, description="ISO-8601 time or a duration like 90m, 4h, 2d")
     budget: Money | None = None
+    max_price_per_gpu_hour: Money | None = Field(default=None, description=(
+        "The most a GPU-hour may cost if the job is re-placed after a site is lost; unset: the accepted "
+        "quote's dearest GPU-hour (a re-placement that would cost more fails the job instead)"))
     currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
     code: CodeSpec | None = Field(default=None, description="The user's own training code (see docs/byo.md)")
     parallelism: ParallelismSpec | None = Field(default=None, description=(
-        "Pipeline stages and replicas; unset, CPN cuts the model only when no site's GPUs hold it whole "
-        "or a pipeline is predicted faster"))
+        "Pipeline stages and replicas, sharding and activation checkpointing; unset, CPN shards a model inside "
+        "a site or cuts it into stages only when no GPU holds it whole (or a pipeline is predicted faster)"))
     profile: bool = Field(default=False, strict=True, description=(
         "Before quoting, run a short timed profile of the job at one candidate site; the quotes then use the "
         "measured step time (basis: profiled). See docs/byo.md"))
@@ -201,6 +289,45 @@ class TrainingJobSpec(CamelModel):
                 "required with spec.code: CPN cannot price your code without knowing its size. Give the "
                 "model's parameter count (e.g. sum(p.numel() for p in model.parameters())); the compute "
                 "model counts 6 FLOPs per parameter per unit unless you state spec.model.flopsPerUnit"))
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _builtin(cls, data: Any) -> Any:
+        """Without spec.code CPN builds the model: a preset or a shape, never a bare parameter count."""
+        if not isinstance(data, dict) or data.get("code") is not None:
+            return data
+        model = data.get("model")
+        if isinstance(model, dict) and model.get("preset") is None and _is_int(model.get("parameters")):
+            raise _error_at(("model", "parameters"), "builtin_parameters", data, (
+                "describes your own code (spec.code): without it CPN trains its built-in model, so give a preset "
+                f"or the shape CPN builds, {{{', '.join(SHAPE_REQUIRED)}}} (kvHeads, ffnHidden optional), and CPN "
+                "counts its parameters"))
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shard(cls, data: Any) -> Any:
+        """shard site and activation checkpointing: CPN's built-in model only, and (shard) the strategies
+        that run sharded (cpn.runtime.config.SHARDABLE_STRATEGIES, one source)."""
+        if not isinstance(data, dict) or not isinstance(data.get("parallelism"), dict):
+            return data
+        parallelism, strategy = data["parallelism"], data.get("strategy", "auto")
+        for key, value in (("shard", "site"), ("activationCheckpointing", "full")):
+            if parallelism.get(key) == value and data.get("code") is not None:
+                raise _error_at(("parallelism", key), "shard_code", data, (
+                    f"{value}: CPN shards and checkpoints its built-in model; your code (spec.code) builds and "
+                    f"holds its own model: drop {key}, or set it to none"))
+        if parallelism.get("shard") != "site":
+            return data
+        if strategy in UNSHARDABLE_REASONS:
+            raise _error_at(("parallelism", "shard"), "shard_strategy", data, (
+                f"site with strategy {strategy!r}: {UNSHARDABLE_REASONS[strategy]}; use strategy "
+                f"{', '.join(SHARDABLE_STRATEGIES)} (or auto), or set shard to none or auto"))
+        if parallelism.get("pipelineStages") is not None:
+            raise _error_at(("parallelism", "shard"), "shard_strategy", data, (
+                f"site with pipelineStages: {UNSHARDABLE_REASONS['pipeline']}; drop pipelineStages, or set shard "
+                "to none or auto"))
         return data
 
     @model_validator(mode="before")
@@ -347,16 +474,6 @@ def _error_at(loc: tuple[str, ...], kind: str, data: Any, message: str) -> Valid
         type=PydanticCustomError(kind, message), loc=loc, input=data.get(loc[0]))])
 
 
-def pricing_only_reason(spec: TrainingJobSpec) -> str | None:
-    """Why quotes for this spec cannot be accepted (None when the runtime can train it)."""
-    model = spec.model
-    if spec.code is not None or (isinstance(model, ModelSpec) and model.runnable):
-        return None
-    name = f"model {model.preset!r}" if isinstance(model, ModelSpec) and model.preset else "a custom model shape"
-    trains = ", ".join(p for p in MODEL_PRESETS if p in RUNNABLE_PRESETS)
-    return f"{name} is priced for reference only: CPN's runtime trains {trains}"
-
-
 def deadline_seconds(value: str, now: datetime) -> float:
     """Seconds from `now` until the deadline (a duration like 4h, or an absolute ISO time)."""
     match = DURATION_RE.match(value.strip())
@@ -425,10 +542,17 @@ class ProfileFigure(CamelModel):
 
 
 class QuoteModelFactors(CamelModel):
-    """What finished runs taught the compute model (GET /api/v1/calibrations); factor 1: nothing yet."""
+    """What finished runs taught the compute model (GET /api/v1/calibrations; factor 1: nothing yet), and
+    the quote's memory plan: what each GPU holds and how (docs/placement.md, "Memory")."""
 
     step_factor: float
     startup_seconds: float
+    memory_gb_per_gpu: float | None = Field(default=None, alias="memoryGBPerGpu", description=(
+        "GB the most loaded GPU needs: training state, activations, buffers, the runtime's share"))
+    shard: Literal["none", "site"] | None = Field(default=None, description=(
+        "site: the model's state sharded over each site's GPUs; none: every GPU holds it whole"))
+    activation_checkpointing: Literal["none", "full"] | None = Field(default=None, description=(
+        "full: blocks recompute their activations in the backward pass"))
 
 
 class QuotePublic(CamelModel):
@@ -456,7 +580,6 @@ class QuotePublic(CamelModel):
     recommended: bool = False
     times_cheapest: float = 1.0
     confirm: bool = Field(default=False, description="Accepting it asks for confirmation (far above the cheapest)")
-    pricing_only: str | None = Field(default=None, description="Why it may not be accepted (null: it may)")
     note: str = ""
     predicted_duration: str = ""
 

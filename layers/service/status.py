@@ -8,7 +8,7 @@ Readers use `status_of(row)` for typed access.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -57,6 +57,14 @@ class ProfileStatus(CamelModel):
     note: str | None = None
 
 
+class MemoryPlanStatus(CamelModel):
+    """How the accepted placement holds the model (the quote's perf.memory_plan); the runtime's
+    TrainConfig.shard and activation_checkpointing (layers/orchestration/lifecycle/plan.py)."""
+
+    shard: Literal["none", "site"] = "none"
+    activation_checkpointing: Literal["none", "full"] = "none"
+
+
 class JobStatus(CamelModel):
     """`phase` itself lives in its own column (`JobRow.phase`, a `JobPhase`); views add it on read."""
 
@@ -74,6 +82,7 @@ class JobStatus(CamelModel):
     predicted_seconds: float | None = None
     quote_lines: list[dict[str, Any]] = Field(default_factory=list)
     price: Amount | None = None
+    memory: MemoryPlanStatus | None = None  # its memory plan; a re-placement writes its own (replan.py)
     # the current attempt (layers/orchestration/lifecycle/reconciler.py)
     attempt: int = 0
     topology: dict[str, Any] | None = None

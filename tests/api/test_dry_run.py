@@ -32,7 +32,8 @@ async def test_dry_run_prices_three_options_and_stores_nothing(api, db) -> None:
     assert body["status"]["draft"] is False
     items = body["status"]["quotes"]
     assert [q["label"] for q in items] == ["cheapest", "fastest", "balanced"]
-    assert all(q["id"] is None and q["state"] == "open" and q["pricingOnly"] is None for q in items)
+    assert all(q["id"] is None and q["state"] == "open" and "pricingOnly" not in q for q in items)
+    assert all(q["model"]["shard"] == "none" and 0 < q["model"]["memoryGBPerGpu"] < 80 for q in items)
     assert [q["recommended"] for q in items] == [False, False, True]
     assert all(sum(p["gpus"] for p in q["placement"]) <= 8 for q in items)
     assert await counts(db) == (0, 0)
@@ -75,26 +76,27 @@ async def test_apply_dry_run_quotes_jobs_and_rolls_everything_back(api, db) -> N
 
 async def test_a_model_no_offered_gpu_can_hold_is_refused(api, db) -> None:
     await register_world(api)
-    for model in ("llama-70b", {"parameters": 30_000_000_000, "layers": 60, "hidden": 6656, "seqLen": 2048}):
-        resp = await submit(api, job("huge", model=model))
+    for model in ("llama-70b", {"layers": 60, "hidden": 6656, "heads": 52, "vocab": 32_000, "seqLen": 2048}):
+        resp = await submit(api, job("huge", model=model, gpus={"min": 1, "max": 4}))
         assert resp.status == 422, await resp.text()
         err = (await resp.json())["error"]
         assert err["field"] == "spec.model" and "per GPU" in err["message"] and "80 GB" in err["message"]
     assert await counts(db) == (0, 0)
 
 
-async def test_pricing_only_models_get_marked_quotes_that_cannot_be_accepted(api) -> None:
+async def test_every_model_the_runtime_builds_is_quoted_and_can_be_accepted(api) -> None:
+    """Nothing is priced for reference only any more (issue 28): gpt2-xl, once quoted with a note and
+    refused at accept, is a model the runtime builds; its quotes carry no pricingOnly and one is accepted."""
     await register_world(api)
     resp = await submit(api, job("ref", model="gpt2-xl", tokens=20_000_000_000))
     assert resp.status == 201, await resp.text()
     items = await quotes(api, "ref")
-    assert len(items) == 3 and all("priced for reference only" in q["pricingOnly"] for q in items)
-    refused = await api.client.post("/api/v1/jobs/ref/accept", json={"quote": "cheapest"}, headers=api.auth("alice"))
-    assert refused.status == 422
-    err = (await refused.json())["error"]
-    assert err["field"] == "spec.model" and "gpt2-xl" in err["message"] and "tiny" in err["message"]
+    assert len(items) == 3 and all("pricingOnly" not in q and "pricing only" not in q["note"] for q in items)
+    accepted = await api.client.post("/api/v1/jobs/ref/accept", json={"quote": "cheapest"}, headers=api.auth("alice"))
+    assert accepted.status == 200, await accepted.text()
     job_now = await (await api.client.get("/api/v1/jobs/ref", headers=api.auth("alice"))).json()
-    assert job_now["status"]["phase"] == "Quoted"  # nothing reserved
+    assert job_now["status"]["phase"] == "Reserved"
+    assert job_now["status"]["memory"]["shard"] in ("none", "site")  # the quote's memory plan, for the runtime
 
 
 async def test_quotes_show_expiry_before_they_are_clicked(api, db) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from layers.orchestration.planning import perf
@@ -88,8 +89,10 @@ def test_the_compute_model_uses_the_stated_figures() -> None:
     base = JobRequirements(model=ModelShape(parameters=1000, layers=2, hidden=8, seq_len=16), tokens=10,
                            global_batch_tokens=32)
     assert perf.flops_per_step(base) == 6.0 * 1000 * 32
-    assert perf.worker_memory_gb(base) == (1000 * perf.TRAINING_STATE_BYTES + perf.ACTIVATION_BYTES * 16 * 8 * 2) / 1e9
+    assert perf.worker_memory_gb(base) == pytest.approx(
+        (1000 * perf.TRAINING_STATE_BYTES + perf.ACTIVATION_BYTES * 16 * 8 * 2) / 1e9 + perf.RUNTIME_OVERHEAD_GB)
     stated = JobRequirements(model=ModelShape(parameters=1000, layers=2, hidden=8, seq_len=16, flops_per_unit=5e5,
                                               bytes_per_unit=3e6), tokens=10, global_batch_tokens=32)
     assert perf.flops_per_step(stated) == 5e5 * 32
-    assert perf.worker_memory_gb(stated) == (1000 * perf.TRAINING_STATE_BYTES + 3e6 * 16) / 1e9
+    assert perf.worker_memory_gb(stated) == pytest.approx(
+        (1000 * perf.TRAINING_STATE_BYTES + 3e6 * 16) / 1e9 + perf.RUNTIME_OVERHEAD_GB)

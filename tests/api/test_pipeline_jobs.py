@@ -23,14 +23,24 @@ from tests.api.test_jobs import quotes, submit
 from tests.api.test_resource import cluster, link, site
 
 SITES = ("fra-1", "ams-1", "waw-1")
-# a GPU that holds one stage of `tiny` but not the whole model (declared memory: what the provider states)
-SMALL_GB = 0.001
 
 
 def _tiny() -> JobRequirements:
     shape = MODEL_PRESETS["tiny"]
     return JobRequirements(model=ModelShape(shape["parameters"], shape["layers"], shape["hidden"], shape["seqLen"]),
                            tokens=60_000, global_batch_tokens=768)
+
+
+def _small_gb() -> float:
+    """A GPU that holds one stage of `tiny` but not the whole model (declared memory: what the provider
+    states): halfway between what the largest of two stages and the whole replica need."""
+    req = _tiny()
+    cuts = perf.stage_cuts(req, 2)
+    stage = max(perf.stage_memory_gb(req, 2, s, perf.micro_batches(req, 1), cuts) for s in range(2))
+    return round((stage + perf.worker_memory_gb(req)) / 2, 5)
+
+
+SMALL_GB = _small_gb()
 
 
 def small_world(memory_gb: float = SMALL_GB, sites: tuple[str, ...] = SITES) -> list[dict]:
@@ -345,5 +355,6 @@ async def test_auto_code_too_big_for_any_gpu_names_its_memory_and_the_pipeline_a
     assert resp.status == 422, body.get("status")
     error = body["error"]
     head, _, tail = error["message"].partition(", or let CPN cut it into pipeline stages across sites: ")
-    assert "80.0 GB per GPU" in head and tail.startswith("spec.model.layers 1 (unset: 1)"), error
+    # 20e9 parameters x 16 B of state, the runtime's 1 GB, a negligible 34 B of stated activations
+    assert "321.0 GB per GPU" in head and tail.startswith("spec.model.layers 1 (unset: 1)"), error
     assert error["field"] == "spec.model", error  # the binding constraint is the model's memory

@@ -15,7 +15,8 @@ from cpn.runtime.bench_pipeline import PipelineBenchOptions, run_benchmark, writ
 from tests.api.test_pipeline_jobs import SMALL_GB
 from tests.conftest import run_cli
 
-DDP_REASON = "the whole replica needs 1.09 MB per GPU; the sites declare 1.00 MB"
+# 16 B per parameter of tiny, one sequence's activations and the runtime's 1 GB (perf.worker_memory_gb)
+DDP_REASON = "the whole replica needs 1002.68 MB per GPU; the sites declare 1002.15 MB"
 
 
 def test_only_the_pipeline_runs_when_the_replica_does_not_fit_a_site(tmp_path: Path) -> None:
@@ -31,15 +32,15 @@ def test_only_the_pipeline_runs_when_the_replica_does_not_fit_a_site(tmp_path: P
     assert len(pipeline["stages"]) == 2 and pipeline["time_to_ddp_loss_seconds"] is None, pipeline
     report = json.loads((tmp_path / "pipeline.json").read_text())
     assert set(report["curves"]) == {"pipeline"} and report["targets"]["pipeline"]["wan_ratio"] is None
-    assert "--gpu-memory-gb 0.001" in report["command"], report["command"]
+    assert f"--gpu-memory-gb {SMALL_GB}" in report["command"], report["command"]
     md = (tmp_path / "pipeline.md").read_text()
-    assert f"| ddp | not run: {DDP_REASON} |" in md and "each site's GPUs declaring 1.00 MB" in md, md
+    assert f"| ddp | not run: {DDP_REASON} |" in md and "each site's GPUs declaring 1002.15 MB" in md, md
 
 
 def test_the_memory_check_names_the_stage_that_does_not_fit(tmp_path: Path) -> None:
     half = PipelineBenchOptions(model="tiny", sites=2, gpu_memory_gb=SMALL_GB / 2)
-    assert placement_fit("pipeline+int8", half) == "stage 0 of 2 needs 0.82 MB per GPU; the sites declare 0.50 MB"
-    with pytest.raises(ValueError, match="no strategy fits: ddp: the whole replica needs 1.09 MB"):
+    assert placement_fit("pipeline+int8", half) == "stage 0 of 2 needs 1001.62 MB per GPU; the sites declare 501.08 MB"
+    with pytest.raises(ValueError, match="no strategy fits: ddp: the whole replica needs 1002.68 MB"):
         run_benchmark(half, tmp_path, fit=placement_fit)
     with pytest.raises(ValueError, match="needs the planner's memory model"):  # the runtime cannot judge alone
         run_benchmark(half, tmp_path)
@@ -50,4 +51,4 @@ def test_the_memory_check_names_the_stage_that_does_not_fit(tmp_path: Path) -> N
     # the report states the declared memory
     report = {"command": "c", "options": vars(three), "results": [], "targets": {},
               "machine": {"cpus": 2, "when": "now"}}
-    assert "declaring 1.00 MB" in write_markdown(report, tmp_path).read_text()
+    assert "declaring 1002.15 MB" in write_markdown(report, tmp_path).read_text()

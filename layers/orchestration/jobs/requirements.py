@@ -33,7 +33,7 @@ def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequi
     return JobRequirements(
         model=ModelShape(parameters=shape["parameters"], layers=shape["layers"], hidden=shape["hidden"],
                          seq_len=shape["seqLen"], flops_per_unit=shape.get("flopsPerUnit"),
-                         bytes_per_unit=shape.get("bytesPerUnit")),
+                         bytes_per_unit=shape.get("bytesPerUnit"), vocab=shape.get("vocab") or 0),
         tokens=spec.tokens, global_batch_tokens=spec.global_batch_tokens, strategy=strategy,
         compression=None if spec.compression in (None, "none") else spec.compression, staleness=spec.staleness,
         **_ps(spec), gpus_max=spec.gpus.max,
@@ -45,7 +45,9 @@ def requirements(spec: TrainingJobSpec, now: datetime | None = None) -> JobRequi
         budget=Decimal(spec.budget) if spec.budget is not None else None, currency=spec.currency,
         workload=workload_of(spec.code.digest if spec.code is not None else None),
         stages=spec.parallelism.pipeline_stages if spec.parallelism else None,
-        data_replicas=replicas)
+        data_replicas=replicas,
+        shard=spec.parallelism.shard if spec.parallelism else "auto",
+        activation_checkpointing=spec.parallelism.activation_checkpointing if spec.parallelism else "auto")
 
 
 def _ps(spec: TrainingJobSpec) -> dict[str, int]:
@@ -130,4 +132,5 @@ def prediction_dict(pred: Any) -> dict[str, Any]:
             "commSecondsPerStep": pred.comm_seconds_per_step, "stepSeconds": pred.step_seconds,
             "totalSeconds": pred.total_seconds, "wanBytes": pred.wan_bytes, "intraBytes": pred.intra_bytes,
             "gpuSecondsByCluster": pred.gpu_seconds_by_cluster, "stepFactor": pred.step_factor,
-            "startupSeconds": pred.startup_seconds}
+            "startupSeconds": pred.startup_seconds, "memoryGBPerGpu": pred.memory_gb_per_gpu, "shard": pred.shard,
+            "activationCheckpointing": pred.activation_checkpointing}

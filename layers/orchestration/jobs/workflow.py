@@ -25,7 +25,7 @@ from layers.orchestration.identity.audit import Pending
 from layers.orchestration.jobs import data, profile
 from layers.orchestration.jobs.requirements import objective, planner_inputs_of, prediction_dict, requirements
 from layers.orchestration.lifecycle import learning
-from layers.orchestration.lifecycle.plan import attempt_plan, budget_note
+from layers.orchestration.lifecycle.plan import attempt_plan, budget_note, memory_of
 from layers.orchestration.planning import placement
 from layers.resource.capacity import inventory
 from layers.service import pricing
@@ -33,7 +33,7 @@ from layers.service import quotes as quotes_mod
 from layers.service.contracts import Accepted, QuoteUnavailable, accept
 from layers.service.jobs import DRAFT_PHASES, JobStore, load_job, set_phase
 from layers.service.models import JobRow, QuoteRow
-from layers.service.schemas import TrainingJobManifest, TrainingJobSpec, pricing_only_reason
+from layers.service.schemas import TrainingJobManifest, TrainingJobSpec
 from layers.service.status import ProfileStatus
 
 
@@ -239,7 +239,8 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
                             "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage}),
                             **({} if a.replica is None else {"replica": a.replica})}
                            for a in plan.assignments]
-        reason, train = _unrunnable(spec, plan.strategy, placement_lines, plan.ring, links)
+        prediction = prediction_dict(pred)
+        reason, train = _unrunnable(spec, plan.strategy, placement_lines, plan.ring, links, memory_of(prediction))
         if reason is not None:  # never offer what the workers would refuse
             refused.append(f"{label} ({plan.strategy} on {'+'.join(str(a.gpus) for a in plan.assignments)}"
                            f" GPUs): {reason}")
@@ -251,7 +252,7 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
             "basis": "profiled", "profile": profile.figure(profiled, pred.steps, pred.step_seconds)}
         rows.append(quotes_mod.new_quote(
             job_id, label, placement=placement_lines, strategy=plan.strategy, ring=plan.ring,
-            prediction={**prediction_dict(pred), **trains, **basis, "dataSeconds": pred.data_seconds,
+            prediction={**prediction, **trains, **basis, "dataSeconds": pred.data_seconds,
                         "dataTransfer": data.lines_info(pred.data_moves)}, predicted_seconds=pred.total_seconds, wan_gb=pred.wan_bytes / 1e9,
             lines=lines, total=pricing.total(lines), currency=spec.currency, ttl=t.quote_ttl, now=now))
     if not rows and refused:
@@ -291,12 +292,10 @@ def data_transfers(plan: Any) -> list[tuple[str, float, Decimal]]:
 
 
 def _unrunnable(spec: TrainingJobSpec, strategy: str, placement: list[dict[str, Any]], ring: list[str],
-                links: list[Any]) -> tuple[str | None, dict[str, Any] | None]:
+                links: list[Any], memory: dict[str, str] | None = None) -> tuple[str | None, dict[str, Any] | None]:
     """(why the workers would refuse this plan, or None; the TrainConfig they would run)."""
-    if not spec.model.runnable:
-        return None, None  # pricing-only presets are quoted for reference and refused at accept
     try:
-        _, train = attempt_plan(spec, strategy, placement, ring, links)
+        _, train = attempt_plan(spec, strategy, placement, ring, links, memory=memory)
     except ValueError as exc:
         return (str(exc).splitlines()[0] if str(exc) else type(exc).__name__), None
     return None, train
@@ -318,8 +317,7 @@ async def preview(session: AsyncSession, principal: Principal, body: Any, t: Tim
     spec: TrainingJobSpec = obj.spec  # type: ignore[attr-defined]
     now = datetime.now(UTC)
     rows = await price_options(session, spec, t, now, owner=(principal.account_id, principal.name))
-    quotes = quotes_mod.views([quotes_mod.public(q) for q in rows], None, pricing_only=pricing_only_reason(spec),
-                              now=now)
+    quotes = quotes_mod.views([quotes_mod.public(q) for q in rows], None, now=now)
     wire = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
     return {**wire, "status": {"phase": "Quoted", "dryRun": True, "draft": draft, "quotes": quotes}}
 
@@ -356,7 +354,8 @@ async def check_runnable(session: AsyncSession, accepted: Accepted, t: Timeouts)
     quote, job = accepted.quote, accepted.job
     _, links = await inventory(session, t.heartbeat)
     try:
-        attempt_plan(TrainingJobSpec.model_validate(job.spec), quote.strategy, quote.placement, quote.ring, links)
+        attempt_plan(TrainingJobSpec.model_validate(job.spec), quote.strategy, quote.placement, quote.ring, links,
+                     memory=memory_of(quote.prediction))
     except ValueError as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise errors.InvalidInput(f"the {quote.label} quote cannot run: {reason}", field=_field_of(reason)) from exc

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from cpn.runtime.config import PS_STRATEGIES
 from layers.control.topology import derive
 from layers.resource.capacity import LinkView
-from layers.service.schemas import MODEL_PRESETS, RUNNABLE_PRESETS, TrainingJobSpec, strategy_knobs
+from layers.service.schemas import MODEL_PRESETS, TrainingJobSpec, strategy_knobs
 
 
 def _elastic() -> frozenset[str]:
@@ -74,8 +75,16 @@ def rank_offsets(topology: dict[str, Any], placement: list[dict[str, Any]]) -> d
     return first
 
 
+def memory_of(prediction: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """The memory plan a quote's prediction chose (perf.memory_plan), as the job's status keeps it;
+    None for a quote priced before plans stated one (the runtime's defaults: whole replicas)."""
+    if not prediction or "shard" not in prediction:
+        return None
+    return {"shard": prediction["shard"], "activationCheckpointing": prediction.get("activationCheckpointing", "none")}
+
+
 def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str | None,
-                 sites: int = 1, stages: int | None = None) -> dict[str, Any]:
+                 sites: int = 1, stages: int | None = None, memory: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The runtime's TrainConfig (as JSON) for this job. The run trains exactly ``spec.tokens``: whole
     global batches, then a last step trimmed to what is left (the runtime does it, see
     ``TrainConfig.step_tokens``), so `Succeeded` means 100 % of what was asked. The global batch is
@@ -87,15 +96,14 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
     parameter-server strategies get one server per site (``ps = sites``), the layout the compute
     model prices (``layers.orchestration.planning.perf``), and the spec's backupWorkers and
     psReplicas (``schemas.strategy_knobs``). A pipeline runs ``stages`` stages (default: one per site;
-    fewer: sites / stages replicas of it, the runtime's ``strategy.stages``)."""
-    preset = spec.model.preset if not isinstance(spec.model, str) else spec.model  # type: ignore[union-attr]
+    fewer: sites / stages replicas of it, the runtime's ``strategy.stages``). ``memory`` (the accepted
+    quote's plan, :func:`memory_of`) sets ``shard`` and ``activation_checkpointing``."""
+    model: str | dict[str, Any]
     if spec.code is not None:  # the user's code builds its model; the runtime's config only counts units
-        preset, seq_len = "tiny", CODE_UNIT
-    elif preset not in RUNNABLE_PRESETS:
-        raise ValueError(f"model {preset!r} has no runnable implementation in the CPN runtime; "
-                         f"use one of {sorted(RUNNABLE_PRESETS)}")
-    else:
-        seq_len = MODEL_PRESETS[preset]["seqLen"]
+        model, seq_len = "tiny", CODE_UNIT
+    else:  # a preset's name, or a custom shape the runtime builds (spec.model's keys)
+        model = spec.model.runtime_model()  # type: ignore[union-attr]
+        seq_len = MODEL_PRESETS[model]["seqLen"] if isinstance(model, str) else int(model["seqLen"])
     batch = max(seq_len * workers, -(-spec.global_batch_tokens // seq_len) * seq_len)
     steps = -(-spec.tokens // batch)
     knobs = {"inner_steps": None if spec.inner_steps is None else max(1, min(spec.inner_steps, steps)),
@@ -103,7 +111,7 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
     if knobs["overlap"] and strategy not in ("diloco", "local_sgd"):
         knobs["overlap"] = False
     cfg: dict[str, Any] = {
-        "model": preset, "tokens": spec.tokens, "global_batch_tokens": batch, "seq_len": seq_len,
+        "model": model, "tokens": spec.tokens, "global_batch_tokens": batch, "seq_len": seq_len,
         "strategy": {"name": strategy, **knobs, "staleness": spec.staleness,
                      **({"ps": min(sites, workers)} if strategy in PS_STRATEGIES else {}),
                      **strategy_knobs(spec, strategy),
@@ -114,14 +122,19 @@ def train_config(spec: TrainingJobSpec, strategy: str, workers: int, resume: str
     }
     if resume:
         cfg["resume"] = resume
+    if memory is not None:
+        cfg["shard"] = memory.get("shard", "none")
+        cfg["activation_checkpointing"] = memory.get("activationCheckpointing", "none")
     return cfg
 
 
 def attempt_plan(spec: TrainingJobSpec, strategy: str, placement: list[dict[str, Any]], ring: list[str],
-                 links: list[LinkView], resume: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                 links: list[LinkView], resume: str | None = None,
+                 memory: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The attempt's topology and TrainConfig, checked by the runtime's own validation and preflight:
     what a worker would refuse is refused here, at accept and again before any agent claims work.
-    Raises ValueError with the runtime's reason."""
+    ``memory``: the plan's shard and activation checkpointing (:func:`memory_of`). Raises ValueError
+    with the runtime's reason."""
     from cpn.runtime.config import TrainConfig
     from cpn.runtime.topology import Topology
     from cpn.runtime.train import preflight
@@ -129,7 +142,7 @@ def attempt_plan(spec: TrainingJobSpec, strategy: str, placement: list[dict[str,
     topo = topology_for(placement, ring, links)
     workers = sum(site["ranks"] for site in topo["sites"])
     stages = len({int(p["stage"]) for p in placement if p.get("stage") is not None}) or None
-    train = train_config(spec, strategy, workers, resume, sites=len(topo["sites"]), stages=stages)
+    train = train_config(spec, strategy, workers, resume, sites=len(topo["sites"]), stages=stages, memory=memory)
     config = TrainConfig.model_validate(train)
     config.sequences_per_worker(workers)
     preflight(config, Topology.model_validate(topo), builtin_model=spec.code is None)

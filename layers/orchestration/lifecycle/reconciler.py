@@ -185,7 +185,7 @@ class Reconciler:
         _, links = await inventory(s, self.cfg.heartbeat_timeout)
         try:  # the runtime's own validation and preflight, here, before any agent claims anything
             topo, train = attempt_plan(spec, job.status["strategy"], placement, ring, links,
-                                       "server" if attempt > 1 else None)
+                                       "server" if attempt > 1 else None, memory=job.status.get("memory"))
         except ValueError as exc:
             await self._finish(s, job, "Failed", "NotRunnable", str(exc))
             return

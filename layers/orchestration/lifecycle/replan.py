@@ -69,6 +69,8 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
     except errors.Conflict as exc:
         raise errors.Infeasible(f"no placement without {sorted(failed_sites)}: {exc.message}") from exc
     _record_prices(job, plan, market)
+    update_status(job, memory={"shard": plan.prediction.shard,  # the new placement's own memory plan
+                               "activationCheckpointing": plan.prediction.activation_checkpointing})
     region_of = {o.name: o.region for o in offers}
     return [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
              "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage}),

@@ -100,6 +100,7 @@ from layers.orchestration.planning import calibration
 from layers.orchestration.planning.ring import Key, best_ring, hops, link_index
 from layers.orchestration.planning.types import (
     PS_STRATEGIES,
+    SHARDABLE_STRATEGIES,
     STRATEGIES,
     Assignment,
     ClusterOffer,
@@ -115,6 +116,8 @@ __all__ = [
     "Levels", "levels_of", "multilevel_comm", "ring_allreduce_seconds", "site_comm", "steps_for", "wan_bytes_per_param",
     "wire_ratio", "worker_memory_gb", "micro_batches", "predict_pipeline", "stage_cuts", "stage_memory_gb",
     "barrier_step", "replica_inner_steps", "is_code", "cut_floats", "max_stages",
+    "MemoryPlan", "activation_bytes", "memory_options", "memory_plan", "shard_gather_seconds",
+    "site_memory_gb",
 ]
 
 # Launching → Running before any lesson: a Kubernetes pod is scheduled, pulls its image and meets
@@ -148,12 +151,34 @@ TOKEN_EFFICIENCY: dict[str, float] = {
     "ps_sync": 1.0, "ps_backup": 1.05,
 }
 _INT8_CHUNK = 256
-# Every strategy keeps a whole replica on each worker: at the least its bf16 weights and gradients
-# (2 + 2 B per parameter; optimiser state can be sharded over the data-parallel workers, ZeRO-1/2)
-# and the activations of one sequence (≈34 B · seq · hidden · layers, Korthikanti et al. 2022, no
-# recomputation). A GPU smaller than that cannot hold the job whatever the strategy.
-TRAINING_STATE_BYTES = 4
+# Memory per GPU (:func:`worker_memory_gb`, :func:`memory_plan`; docs/placement.md, "Memory"). One
+# accounting on GPUs and CPUs: the runtime keeps fp32 parameters (4 B), fp32 gradients (4 B) and AdamW's
+# two fp32 moments (8 B), 16 B per parameter — FSDP2's mixed precision on GPUs keeps exactly these sharded
+# and computes on bf16 copies it gathers a block at a time (counted in the buffers); CPUs run fp32
+# throughout. Sharded over a site's W ranks (shard "site") each GPU keeps 16/W B per parameter.
+TRAINING_STATE_BYTES = 16
+# Activations one token keeps per layer for the backward pass, in 16-bit, no tensor/sequence parallelism:
+# 34 · hidden bytes (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+# Models", eq. 1: 34·s·b·h + 5·a·s²·b per layer; the runtime's attention is torch's SDPA, a fused kernel
+# that keeps no s² score matrix, so the second term drops).
 ACTIVATION_BYTES = 34
+# With full activation checkpointing a block keeps only its 16-bit input (2 · hidden bytes a token) and
+# recomputes the rest in the backward pass, where one block's full activations live at a time.
+CHECKPOINT_BYTES = 2
+# The output layer's logits, per token and vocabulary entry: bf16 logits and their fp32 copy for the loss.
+LOGIT_BYTES = 6
+# Recomputing every block's forward in the backward pass: forward 2 of the 6 FLOPs per parameter and
+# token, so the step's compute grows by a third.
+RECOMPUTE_FRACTION = 1 / 3
+# Sharded: FSDP2 all-gathers a block's 16-bit parameters ahead of its use (the block computing and the
+# next one prefetched) and holds one block's unsharded fp32 gradients until their reduce-scatter:
+# 2 · 2 + 4 B per parameter of a block.
+SHARD_BUFFER_BYTES = 2 * 2 + 4
+# the all-gathered copies are 16-bit (bf16 on GPUs): forward and backward gather each block once
+GATHER_BYTES = 2
+# The runtime's own share of a GPU: CUDA context and kernels, NCCL/Gloo buffers, the caching allocator's
+# fragmentation. An allowance, not a measurement (a CUDA context alone takes 0.3–0.5 GB).
+RUNTIME_OVERHEAD_GB = 1.0
 # the runtime's pipeline slice, cpn.runtime.collectives.DEFAULT_CHUNK_BYTES (that module imports torch;
 # a test keeps the two equal): the multilevel levels overlap slice by slice
 PIPELINE_SLICE_BYTES = 4 * 2**20
@@ -194,11 +219,112 @@ def host_stretch(slots: int, host_cores: float | None) -> float:
     return 1.0 if host_cores is None else max(1.0, slots / host_cores)
 
 
-def worker_memory_gb(req: JobRequirements) -> float:
-    """GB one worker (one GPU) needs at the least to train the model: its replica and one sequence."""
+def worker_memory_gb(req: JobRequirements, *, shard: int = 1, checkpointing: bool = False,
+                     sequences: int = 1) -> float:
+    """GB one worker (one GPU) needs to train the model: its training state (:data:`TRAINING_STATE_BYTES`
+    per parameter, 1/``shard`` of it when its site's ``shard`` ranks shard the model, plus the gathered
+    blocks), the activations of ``sequences`` sequences (recomputed per block with ``checkpointing``)
+    and :data:`RUNTIME_OVERHEAD_GB`. The planner counts one sequence, the least a step can hold: a rank
+    whose share of the batch is k sequences and that computes them in one pass holds k times the
+    activations (docs/placement.md, "Memory")."""
     m = req.model
-    per_unit = m.bytes_per_unit if m.bytes_per_unit is not None else ACTIVATION_BYTES * m.hidden * m.layers
-    return (m.parameters * TRAINING_STATE_BYTES + per_unit * m.seq_len) / 1e9
+    state = m.parameters * TRAINING_STATE_BYTES / max(1, shard)
+    buffers = _block_parameters(req) * SHARD_BUFFER_BYTES if shard > 1 else 0.0
+    return (state + buffers + activation_bytes(req, checkpointing) * sequences) / 1e9 + RUNTIME_OVERHEAD_GB
+
+
+def activation_bytes(req: JobRequirements, checkpointing: bool = False, blocks: float | None = None) -> float:
+    """Activation bytes of one sequence through ``blocks`` of the model's blocks (all of them unless
+    given) and its logits; what the user stated for its own code (spec.model.bytesPerUnit)."""
+    m = req.model
+    share = 1.0 if blocks is None else blocks
+    if m.bytes_per_unit is not None or is_code(req):
+        per_unit = m.bytes_per_unit if m.bytes_per_unit is not None else ACTIVATION_BYTES * m.hidden * m.layers
+        return per_unit * m.seq_len * share
+    layers = m.layers * share
+    if checkpointing:
+        kept = CHECKPOINT_BYTES * m.hidden * layers + ACTIVATION_BYTES * m.hidden * min(1.0, layers)
+    else:
+        kept = ACTIVATION_BYTES * m.hidden * layers
+    return (kept + (LOGIT_BYTES * m.vocab if blocks is None else 0)) * m.seq_len
+
+
+def _block_parameters(req: JobRequirements) -> float:
+    """Parameters of one transformer block (≈ 12·h² + 13·h, at most an equal share of the model)."""
+    m = req.model
+    return min(12.0 * m.hidden**2 + 13.0 * m.hidden, m.parameters / max(1, m.layers))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a placement holds the model: ``shard`` none or site, ``checkpointing`` none or full, the GB
+    its most loaded GPU needs, whether every GPU holds that, and what it costs per step."""
+
+    shard: str
+    checkpointing: str
+    gb_per_gpu: float
+    fits: bool
+    extra_compute: float = 0.0  # seconds per step: recomputing the blocks' forward
+    extra_comm: float = 0.0  # seconds per step: the sharded blocks' all-gathers inside the slowest site
+
+
+def memory_options(req: JobRequirements, strategy: str) -> list[tuple[str, str]]:
+    """(shard, checkpointing) pairs the planner may choose from: what the spec fixed, else every pair the
+    runtime can run (a user's code is neither sharded nor checkpointed by CPN; a strategy outside
+    :data:`SHARDABLE_STRATEGIES` holds whole replicas)."""
+    code = is_code(req)
+    shards = ["none"] if code or strategy not in SHARDABLE_STRATEGIES else ["none", "site"]
+    if req.shard != "auto":
+        shards = [req.shard]
+    checkpoints = ["none"] if code else ["none", "full"]
+    if req.activation_checkpointing != "auto":
+        checkpoints = [req.activation_checkpointing]
+    return [(s, c) for s in shards for c in checkpoints]
+
+
+def shard_gather_seconds(req: JobRequirements, ranks: int, gbps: float) -> float:
+    """The all-gathers sharding adds to a step on a site of ``ranks`` ranks: each block's 16-bit
+    parameters gathered for the forward and again for the backward pass, (N−1)/N · K / B + (N−1)·α
+    each (the gradients' reduce-scatter takes the place of the unsharded all-reduce, priced as before)."""
+    if ranks <= 1:
+        return 0.0
+    k = req.model.parameters * GATHER_BYTES
+    return 2 * ((ranks - 1) / ranks * k * 8 / (gbps * 1e9) + (ranks - 1) * INTRA_ALPHA_SECONDS)
+
+
+def memory_plan(req: JobRequirements, strategy: str, site_gpus: Mapping[str, int], site_memory_gb: Mapping[str, float],
+                intra_gbps: Mapping[str, float], compute_s: float) -> MemoryPlan:
+    """The cheapest way the placement's GPUs hold the job (``site_memory_gb``: each site's smallest GPU,
+    0 = not reported, taken to fit): every pair of :func:`memory_options` that fits is priced — recompute
+    adds :data:`RECOMPUTE_FRACTION` of the compute, sharding :func:`shard_gather_seconds` at the slowest
+    site — and the fastest kept (the simpler on a tie: no sharding, no recompute). When none fits, the
+    pair needing the least, with ``fits`` False."""
+    best: tuple[tuple[float, ...], MemoryPlan] | None = None
+    for rank, (shard, checkpointing) in enumerate(memory_options(req, strategy)):
+        need = {s: worker_memory_gb(req, shard=w if shard == "site" else 1, checkpointing=checkpointing == "full")
+                for s, w in site_gpus.items()}
+        fits = all(site_memory_gb.get(s, 0.0) <= 0 or need[s] <= site_memory_gb[s] for s in site_gpus)
+        extra_compute = compute_s * RECOMPUTE_FRACTION if checkpointing == "full" else 0.0
+        extra_comm = max(shard_gather_seconds(req, w, intra_gbps[s]) for s, w in site_gpus.items()) \
+            if shard == "site" else 0.0
+        plan = MemoryPlan(shard, checkpointing, max(need.values()), fits, extra_compute, extra_comm)
+        key = (0.0, extra_compute + extra_comm, rank) if fits else (1.0, plan.gb_per_gpu, rank)
+        if best is None or key < best[0]:
+            best = (key, plan)
+    assert best is not None
+    return best[1]
+
+
+def site_memory_gb(used: list[Assignment], offers: Mapping[str, ClusterOffer]) -> dict[str, float]:
+    """Each site's smallest reported GPU memory among the placement's clusters (0: none reported)."""
+    out: dict[str, float] = {}
+    for a in used:
+        gb = offers[a.cluster].memory_gb
+        if gb > 0:
+            out[a.site] = min(out.get(a.site, gb), gb)
+        else:
+            out.setdefault(a.site, 0.0)
+    return out
 
 
 def flops_per_step(req: JobRequirements) -> float:
@@ -412,6 +538,7 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
         compute = min(compute, _idle_compute(req, used, offers, host_cores))
     req = autotuned(req, strategy, site_gpus, compute, wan_gbps, rtt_ms)
     intra_gbps = intra_gbps_by_site(used, offers)
+    memory = memory_plan(req, strategy, site_gpus, site_memory_gb(used, offers), intra_gbps, compute)
     comm, sent = site_comm(req, strategy, compute, site_gpus, intra_gbps, wan_gbps, rtt_ms)
     per_step = {hop: float(sent[hop[0]]) for hop in ring_hops if sent.get(hop[0])}
     levels = levels_of(ring, site_gpus, {a.site: offers[a.cluster].region for a in used}, index) \
@@ -424,6 +551,7 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
     if strategy in ("ps_sync", "ps_backup"):  # the servers' barrier: the step waits for a slow worker
         backups = req.backup_workers if strategy == "ps_backup" else 0
         compute = barrier_step(_worker_compute(req, used, offers, host_cores), comm, backups) - comm
+    compute, comm = compute + memory.extra_compute, comm + memory.extra_comm  # what the memory plan costs
     factor, startup = _learned(req, strategy, used, offers)
     step = (compute + comm) * factor
     total = steps * step + startup
@@ -433,6 +561,8 @@ def predict(req: JobRequirements, assignments: list[Assignment], strategy: str,
         step_seconds=step, total_seconds=total, wan_bytes=sum(egress.values()),
         intra_bytes=_intra_bytes(req, site_gpus) * steps, gpu_seconds_by_cluster=gpu_seconds,
         egress_bytes_by_link=egress, est_cost=cost, step_factor=factor, startup_seconds=startup,
+        memory_gb_per_gpu=memory.gb_per_gpu, shard=memory.shard, activation_checkpointing=memory.checkpointing,
+        fits_memory=memory.fits,
     )
 
 
@@ -598,14 +728,14 @@ def micro_batches(req: JobRequirements, width: int) -> int:
 def stage_memory_gb(req: JobRequirements, stages: int, stage: int, micro: int,
                     cuts: list[tuple[float, float]] | None = None) -> float:
     """GB one worker of pipeline stage ``stage`` (of ``stages``) needs at the least: its stage's
-    training state (:data:`TRAINING_STATE_BYTES` per parameter, as :func:`worker_memory_gb` counts a
-    whole replica: Adam's state sharded over the stage's data-parallel workers) and the activations of
-    its blocks for the micro-batches 1F1B keeps in flight there, min(P − s, M), one sequence each."""
+    training state (:data:`TRAINING_STATE_BYTES` per parameter, the stage whole on every GPU: a
+    pipeline's stages are not sharded), the activations of its blocks for the micro-batches 1F1B keeps
+    in flight there, min(P − s, M), one sequence each (:func:`activation_bytes`), and
+    :data:`RUNTIME_OVERHEAD_GB`."""
     params, blocks = (cuts or stage_cuts(req, stages))[stage]
-    m = req.model
-    per_unit = m.bytes_per_unit if m.bytes_per_unit is not None else ACTIVATION_BYTES * m.hidden * m.layers
     in_flight = min(stages - stage, micro)
-    return (params * TRAINING_STATE_BYTES + per_unit * m.seq_len * blocks * in_flight) / 1e9
+    acts = activation_bytes(req, blocks=blocks) * in_flight
+    return (params * TRAINING_STATE_BYTES + acts) / 1e9 + RUNTIME_OVERHEAD_GB
 
 
 def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers: Mapping[str, ClusterOffer],
@@ -677,6 +807,7 @@ def predict_pipeline(req: JobRequirements, assignments: list[Assignment], offers
         gpu_seconds_by_cluster=gpu_seconds, egress_bytes_by_link=egress, est_cost=cost, step_factor=factor,
         startup_seconds=startup, bubble_fraction=(stages - 1) / (micro + stages - 1),
         replica_seconds_per_step=average_s * factor, replica_wan_bytes=average_bytes * steps, replica_inner_steps=h,
+        memory_gb_per_gpu=max(stage_memory_gb(req, stages, s, micro, cuts) for s in range(stages)),
     )
 
 

@@ -161,9 +161,59 @@ class Problem:
         cost = price * seconds / 3600 + egress + fee
         return self.score(cost, seconds), seconds, cost
 
+    def holding(self, used: dict[int, int], strategy: str) -> dict[int, int]:
+        """``used`` with each site that has too few GPUs to hold its shard of the model (sharded over its
+        ranks, :func:`perf.memory_options`) grown to the fewest that do: the solvers price GPUs, not
+        memory, and would otherwise offer too few GPUs of a site to shard a large model over. GPUs come
+        from the site's clusters already used, then its cheapest per effective TFLOP, within the
+        clusters' free GPUs; past the job's GPU bound, from the other sites' GPUs beyond what they need
+        themselves (their dearest first). A placement that cannot be mended is left as it is
+        (:func:`perf.predict` then finds it does not fit)."""
+        options = perf.memory_options(self.req, strategy)
+        if not used or not any(shard == "site" for shard, _ in options):
+            return used
+        out = dict(used)
+        sites = sorted({int(self.site_of[i]) for i in used})
+        memory = {k: min((self.offers[i].memory_gb for i in out if self.site_of[i] == k and self.offers[i].memory_gb > 0),
+                         default=0.0) for k in sites}
+        pools = {k: [i for i in range(len(self.offers)) if self.site_of[i] == k
+                     and (self.offers[i].memory_gb <= 0 or memory[k] <= 0 or self.offers[i].memory_gb >= memory[k])]
+                 for k in sites}
+        least = {k: 1 if memory[k] <= 0 else next(
+            (n for n in range(1, int(sum(self.free[i] for i in pools[k])) + 1) if self._holds(n, memory[k], options)),
+            None) for k in sites}
+        if any(n is None for n in least.values()) or sum(least.values()) > self.gpus_max:  # type: ignore[arg-type]
+            return used
+        have = {k: sum(g for i, g in out.items() if self.site_of[i] == k) for k in sites}
+        for k in sites:
+            short = least[k] - have[k]  # type: ignore[operator]
+            if short <= 0:
+                continue
+            room = self.gpus_max - sum(out.values())
+            for other in sorted(sites, key=lambda o: -(have[o] - least[o])):  # type: ignore[operator]
+                if room >= short:
+                    break
+                give = min(short - room, have[other] - least[other])  # type: ignore[operator]
+                if other == k or give <= 0:
+                    continue
+                for i in sorted((i for i in out if self.site_of[i] == other), key=lambda i: -self.price[i] / self.eff[i]):
+                    drop = min(give, out[i])
+                    out[i], give, have[other], room = out[i] - drop, give - drop, have[other] - drop, room + drop
+            for i in sorted(pools[k], key=lambda i: (-out.get(i, 0), self.price[i] / self.eff[i])):
+                take = min(short, room, int(self.free[i]) - out.get(i, 0))
+                if take > 0:
+                    out[i], short, room, have[k] = out.get(i, 0) + take, short - take, room - take, have[k] + take
+        return {i: g for i, g in out.items() if g > 0}
+
+    def _holds(self, ranks: int, memory_gb: float, options: list[tuple[str, str]]) -> bool:
+        return any(perf.worker_memory_gb(self.req, shard=ranks if shard == "site" else 1,
+                                         checkpointing=checkpointing == "full") <= memory_gb
+                   for shard, checkpointing in options)
+
     def evaluate(self, counts: dict[int, int], strategy: str, solver: str) -> Plan | None:
-        """Score a placement (candidate index → GPUs) with the real model; None if it breaks a constraint."""
-        used = {i: g for i, g in counts.items() if g > 0}
+        """Score a placement (candidate index → GPUs) with the real model; None if it breaks a constraint.
+        A site with too few GPUs to hold its shard of the model is grown first (:meth:`holding`)."""
+        used = self.holding({i: g for i, g in counts.items() if g > 0}, strategy)
         sites = sorted({self.sites[self.site_of[i]] for i in used})
         total = sum(used.values())
         if not used or not self.gpus_min <= total <= self.gpus_max:
@@ -177,6 +227,8 @@ class Problem:
                        for i, g in sorted(used.items(), key=lambda item: self.offers[item[0]].name)]
         offers = {self.offers[i].name: self.offers[i] for i in used}
         prediction = perf.predict(self.req, assignments, strategy, offers, self.links_among(sites), ring)
+        if not prediction.fits_memory:  # these GPUs cannot hold the model however it is sharded
+            return None
         if self.req.data is not None:
             data.add_to(prediction, self.data_routes, assignments, offers)
         if self.req.deadline_seconds is not None and prediction.total_seconds > self.req.deadline_seconds:
@@ -204,6 +256,8 @@ def pipeline_mode(req: JobRequirements) -> str:
     ``never``: a data-parallel strategy was asked for, or the runtime cannot cut the job's model."""
     if req.strategy == "pipeline" or req.stages is not None:
         return "only"
+    if req.shard == "site":  # a pipeline's stages are not sharded (perf.SHARDABLE_STRATEGIES)
+        return "never"
     return "may" if req.strategy == "auto" and pipeline.allowed(req) is None else "never"
 
 
@@ -475,17 +529,46 @@ def _resident(req: JobRequirements, offers: list[ClusterOffer]) -> list[ClusterO
 
 
 def _fitting(req: JobRequirements, offers: list[ClusterOffer]) -> list[ClusterOffer]:
-    """Offers whose GPUs hold a whole replica's training state (memory 0 = not reported: kept)."""
-    need = perf.worker_memory_gb(req)
-    fits = [o for o in offers if o.memory_gb <= 0 or o.memory_gb >= need]
-    if offers and not fits:
-        largest = max(o.memory_gb for o in offers)
-        amount = f"{need:.1f}" if need >= 0.1 else f"{need:.3g}"  # a declared toy GPU's megabytes still read
-        raise Infeasible(f"The model needs at least {amount} GB per GPU to train (every worker holds a whole "
-                         f"replica: bf16 weights and gradients, {perf.TRAINING_STATE_BYTES} bytes per parameter, "
-                         f"and one sequence's activations); the largest GPU offered {_where(req)} has "
-                         f"{largest:g} GB. Choose a smaller model", field="spec.model")
+    """Offers whose GPUs hold the job's training state in the least a placement there needs: sharded
+    over every GPU of their site the job may use, with activation checkpointing, where the runtime can
+    (:func:`perf.memory_options`); memory 0 = not reported: kept. Each plan then fixes its own memory
+    plan (:func:`perf.memory_plan`) and is dropped when its GPUs do not hold it."""
+    if not offers:
+        return offers
+    need = _least_memory_gb(req, offers)
+    fits = [o for o in offers if o.memory_gb <= 0 or o.memory_gb >= need[o.site][0]]
+    if not fits:
+        largest = max(offers, key=lambda o: o.memory_gb)
+        least, ways = need[largest.site]
+        amount = f"{least:.1f}" if least >= 0.1 else f"{least:.3g}"  # a declared toy GPU's megabytes still read
+        raise Infeasible(f"The model needs at least {amount} GB per GPU to train ({ways}); the largest GPU "
+                         f"offered {_where(req)} has {largest.memory_gb:g} GB. Choose a smaller model, or GPUs "
+                         "with more memory", field="spec.model")
     return fits
+
+
+def _least_memory_gb(req: JobRequirements, offers: list[ClusterOffer]) -> dict[str, tuple[float, str]]:
+    """Per site: the least GB per GPU any placement there needs, and how it holds the model then."""
+    free: dict[str, int] = {}
+    for o in offers:
+        free[o.site] = free.get(o.site, 0) + o.free_gpus
+    strategies = AUTO_STRATEGIES if req.strategy == "auto" else (req.strategy,)
+    options = {pair for strategy in strategies for pair in perf.memory_options(req, strategy)}
+    out: dict[str, tuple[float, str]] = {}
+    for site, gpus in free.items():
+        ranks = max(1, min(gpus, req.gpus_max or gpus))
+        out[site] = min((perf.worker_memory_gb(req, shard=ranks if shard == "site" else 1,
+                                               checkpointing=checkpointing == "full"),
+                         _memory_words(req, shard, checkpointing, ranks)) for shard, checkpointing in options)
+    return out
+
+
+def _memory_words(req: JobRequirements, shard: str, checkpointing: str, ranks: int) -> str:
+    """How a GPU holds the model, in the refusal's words."""
+    state = (f"its parameters, gradients and optimizer state, {perf.TRAINING_STATE_BYTES} bytes per parameter, "
+             + (f"sharded over the {ranks} GPUs of a site" if shard == "site" and ranks > 1 else "on every GPU"))
+    acts = "one sequence's activations" + (", each block's recomputed" if checkpointing == "full" else "")
+    return f"{state}, {acts}, {perf.RUNTIME_OVERHEAD_GB:g} GB for the runtime"
 
 
 def _set_references(problem: Problem) -> None:

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 # the runtime's strategies, one source (pipeline: the model cut into one contiguous stage per site,
-# planning/pipeline.py; the others are data parallel; PS_STRATEGIES: parameter servers, one shard per site)
+# planning/pipeline.py; the others are data parallel; PS_STRATEGIES: parameter servers, one shard per site;
+# SHARDABLE_STRATEGIES: those that run with each site's ranks sharding the model, spec.parallelism.shard site)
 from cpn.runtime.config import PS_STRATEGIES as PS_STRATEGIES
+from cpn.runtime.config import SHARDABLE_STRATEGIES as SHARDABLE_STRATEGIES
 from cpn.runtime.config import STRATEGIES as STRATEGIES
 
 
@@ -48,6 +50,7 @@ class ModelShape:
     seq_len: int
     flops_per_unit: float | None = None  # a user's statement for its own code (spec.model.flopsPerUnit)
     bytes_per_unit: float | None = None  # activation bytes one unit holds (spec.model.bytesPerUnit)
+    vocab: int = 0  # the built-in model's vocabulary: its logits' memory (0: not known, not counted)
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,10 @@ class JobRequirements:
     stages: int | None = None  # spec.parallelism.pipelineStages: a pipeline of exactly this many stages
     # spec.parallelism.dataReplicas: D copies of the pipeline on D disjoint chains of sites (planning/pipeline.py)
     data_replicas: int = 1
+    # spec.parallelism.shard and activationCheckpointing: "auto" lets the planner choose per placement
+    # (perf.memory_plan); the others are kept as asked
+    shard: str = "auto"
+    activation_checkpointing: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,13 @@ class Prediction:
     replica_seconds_per_step: float = 0.0
     replica_wan_bytes: float = 0.0
     replica_inner_steps: int = 0
+    # the memory plan (perf.memory_plan): what the most loaded GPU holds, whether the sites' ranks shard
+    # the model ("site") and whether blocks recompute their activations ("full"); fits_memory False: the
+    # placement's GPUs cannot hold it (the planner drops such plans)
+    memory_gb_per_gpu: float = 0.0
+    shard: str = "none"
+    activation_checkpointing: str = "none"
+    fits_memory: bool = True
 
 
 @dataclass

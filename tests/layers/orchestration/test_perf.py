@@ -37,6 +37,10 @@ def test_compute_bound_single_site_matches_hand_computation():
     p = perf.predict(job(), [Assignment("a", "s1", 8, "H100")], "ddp", offers, [])
     compute = 6 * P * BATCH / (8 * 989e12 * 0.40)
     comm = 2 * 7 / 8 * (4 * P) * 8 / 900e9 + 2 * 7 * 10e-6  # ring over NVLink, fp32 gradients
+    # 7 B parameters x 16 B do not fit one 80 GB GPU: sharded over the site's 8, whose forward and backward
+    # each all-gather the bf16 parameters, (N-1)/N x 2P over NVLink
+    assert (p.shard, p.activation_checkpointing) == ("site", "none")
+    comm += 2 * (7 / 8 * (2 * P) * 8 / 900e9 + 7 * 10e-6)
     assert p.steps == 10_000
     assert p.compute_seconds_per_step == pytest.approx(compute)
     assert p.comm_seconds_per_step == pytest.approx(comm)
@@ -52,10 +56,12 @@ def test_wan_bound_ddp_against_diloco():
     ddp = perf.predict(job(), placement, "ddp", offers, links)
     diloco = perf.predict(job(inner_steps=100, overlap=False), placement, "diloco", offers, links)
     k_ddp = 4 * P  # fp32 gradients, as the runtime sends them
-    assert ddp.comm_seconds_per_step == pytest.approx(2 * 15 / 16 * k_ddp * 8 / 1e9 + 2 * 15 * 0.010)
+    gathers = 2 * (7 / 8 * (2 * P) * 8 / 900e9 + 7 * 10e-6)  # sharded over each site's 8 GPUs (as above)
+    assert ddp.shard == diloco.shard == "site"
+    assert ddp.comm_seconds_per_step == pytest.approx(2 * 15 / 16 * k_ddp * 8 / 1e9 + 2 * 15 * 0.010 + gathers)
     intra = 2 * 7 / 8 * (4 * P) * 8 / 900e9 + 2 * 7 * 10e-6
     outer = intra + 2 * 1 / 2 * (4 * P) * 8 / 1e9 + 2 * 0.010
-    assert diloco.comm_seconds_per_step == pytest.approx(intra + outer / 100)
+    assert diloco.comm_seconds_per_step == pytest.approx(intra + outer / 100 + gathers)
     # WAN bytes per hop per step: 2(N-1)/N * 4P every step against 2(S-1)/S * 4P every 100 steps
     assert ddp.wan_bytes / diloco.wan_bytes == pytest.approx((2 * 15 / 16 * 4) / (4 / 100))
     assert ddp.total_seconds > 5 * diloco.total_seconds

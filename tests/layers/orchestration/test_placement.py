@@ -173,20 +173,28 @@ def test_bench_scheduler_command_writes_the_report(tmp_path):
 
 
 def test_a_model_that_fits_no_offered_gpu_is_refused_with_the_figures():
-    huge = job(model=ModelShape(70_000_000_000, 80, 8192, 4096))
+    """70 B parameters sharded over the 8 GPUs the job may use: 16 B x 70e9 / 8 = 140 GB of state, plus
+    one block's gathered buffers (8 B x 805 M), one sequence's checkpointed activations (2 x 8192 x 80 x
+    4096 + 34 x 8192 x 4096 B) and 1 GB for the runtime: 154.0 GB, above every 80 GB GPU."""
+    huge = job(model=ModelShape(70_000_000_000, 80, 8192, 4096), gpus_max=8)
     with pytest.raises(Infeasible) as caught:
         placement.plan(huge, OFFERS, LINKS, BALANCED, "heuristic")
     assert caught.value.field == "spec.model"
-    assert "needs at least 371.3 GB per GPU" in caught.value.message
-    assert "has 80 GB" in caught.value.message
+    assert "needs at least 154.0 GB per GPU" in caught.value.message
+    assert "sharded over the 8 GPUs of a site" in caught.value.message and "has 80 GB" in caught.value.message
+    # with every GPU it may use, the same model is sharded over each site's GPUs and fits
+    fits = placement.plan(replace(huge, gpus_max=None), OFFERS, LINKS, BALANCED, "heuristic")
+    assert fits.prediction.shard == "site" and fits.prediction.memory_gb_per_gpu <= 80
 
 
 def test_offers_too_small_for_the_model_are_left_out():
-    small_gpus = [*OFFERS, ClusterOffer(name="cheap-24g", site="par", region="eu-west", provider="p",
-                                        gpu_model="RTX4090", tflops=165.0, memory_gb=24, free_gpus=512,
+    """Even sharded over 512 of them, a 4 GB GPU cannot hold one sequence's checkpointed activations of
+    a 7 B model besides a block's gathered parameters and the runtime's own gigabyte."""
+    small_gpus = [*OFFERS, ClusterOffer(name="cheap-4g", site="par", region="eu-west", provider="p",
+                                        gpu_model="RTX4090", tflops=165.0, memory_gb=4, free_gpus=512,
                                         price_per_gpu_hour=Decimal("0.10"))]
     plan = placement.plan(job(), small_gpus, LINKS, Objective(cost=1.0, time=0.0), "heuristic")
-    assert "cheap-24g" not in {a.cluster for a in plan.assignments}
+    assert "cheap-4g" not in {a.cluster for a in plan.assignments}
 
 
 @pytest.mark.parametrize("weights", [(1e308, 1.0), (1.0, 1e308)])
