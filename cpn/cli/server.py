@@ -245,6 +245,7 @@ async def _create_token(settings: Settings, name: str, role: str, *, init: bool 
     "training": "cpn.runtime.cli_train:bench_training_cmd",
     "pipeline": "cpn.cli.bench_pipeline:bench_pipeline_cmd",
     "scheduler": "cpn.cli.bench:bench_scheduler_cmd",
+    "memory": "cpn.cli.bench:bench_memory_cmd",
     "quotes": "cpn.cli.bench_api:bench_quotes_cmd",
     "api": "cpn.cli.bench_heartbeats:bench_api_cmd",
     "gpu": "cpn.cli.bench_gpu:bench_gpu_cmd",

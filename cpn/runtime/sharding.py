@@ -67,12 +67,11 @@ def mp_policy(device: torch.device) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def init_mode(model_name: str) -> str:
+def init_mode(model: Any) -> str:
     """``reference`` when the model's fp32 weights are small enough to build once on the host, else ``meta``."""
-    from cpn.runtime.presets import PRESETS
+    from cpn.runtime.presets import resolve
 
-    cfg = PRESETS.get(model_name)
-    return "meta" if cfg is not None and 4 * cfg.parameters > META_INIT_BYTES else "reference"
+    return "meta" if 4 * resolve(model).parameters > META_INIT_BYTES else "reference"
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -83,27 +82,29 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def build_sharded(cfg: TrainConfig, groups: Groups, *, mode: str | None = None) -> nn.Module:
-    """This rank's model of ``cfg.model``, sharded over its site (see the module docstring)."""
+def build_sharded(cfg: TrainConfig, groups: Groups, *, model: Any = None, mode: str | None = None) -> nn.Module:
+    """This rank's model of ``cfg`` (or ``model``: a name, shape or ModelConfig), sharded over its
+    site (see the module docstring). In ``meta`` mode each rank draws its own shards with a seed of
+    (``cfg.seed``, its index in the site): the same-index ranks of every site draw alike, so all
+    sites start from one model."""
+    from cpn.runtime.data import model_config
     from cpn.runtime.model import build_model
 
-    mode = mode or init_mode(cfg.model)
+    spec = model_config(cfg) if model is None else model
+    mode = mode or init_mode(spec)
     device = groups.device
-    if mode == "meta":
-        model = build_model(cfg.model, seed=cfg.seed, device="meta")
-    else:
-        model = build_model(cfg.model, seed=cfg.seed, device="cpu")
+    built = build_model(spec, seed=cfg.seed, device="meta" if mode == "meta" else "cpu")
     if cfg.activation_checkpointing == "full":
-        apply_activation_checkpointing(model)
-    shard_model(model, site_mesh(groups), device)
+        apply_activation_checkpointing(built)
+    shard_model(built, site_mesh(groups), device)
     if mode == "meta":
-        model.to_empty(device=device)
+        built.to_empty(device=device)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(cfg.seed + 7919 * groups.local_rank)  # shards differ: a shared seed would repeat rows
-            model.init_weights()
+            built.init_weights()
     else:
-        model.to(device)
-    return model
+        built.to(device)
+    return built
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
