@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from cpn.runtime.config import AUTO, StrategyConfig, TrainConfig
 from cpn.runtime.costmodel import CPU_SLOT_MFU, CPU_SLOT_TFLOPS
-from cpn.runtime.presets import PRESETS
+from cpn.runtime.presets import resolve as resolve_model
 from cpn.runtime.topology import Topology
 
 __all__ = ["Job", "Link", "choose", "explain", "link_of", "resolve", "resolve_strategy_name"]
@@ -72,7 +72,7 @@ def link_of(topology: Topology, wan_mbps: float | None = None) -> Link:
 
 
 def _params(cfg: TrainConfig) -> int:
-    return PRESETS[cfg.model].parameters
+    return resolve_model(cfg.model).parameters
 
 
 def _step_compute_seconds(cfg: TrainConfig, topology: Topology) -> float:
@@ -206,7 +206,7 @@ def resolve(cfg: TrainConfig, topology: Topology, wan_mbps: float | None = None)
                                           compression=s.compression, overlap=s.overlap)
     stages, replicas = s.pipeline_shape(topology.num_sites)
     if name == "pipeline" and s.inner_steps is None and replicas > 1:
-        h = replica_inner_steps(_params(cfg), PRESETS[cfg.model].d_model, cfg.global_batch_tokens, stages,
+        h = replica_inner_steps(_params(cfg), resolve_model(cfg.model).d_model, cfg.global_batch_tokens, stages,
                                 replicas, cfg.total_steps)
     tau = s.overlap_steps if s.overlap_steps is not None else tau
     rounds = cfg.total_steps / max(1, h)

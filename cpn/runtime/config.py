@@ -53,15 +53,17 @@ UNSHARDABLE_REASONS: dict[str, str] = {
 REAL_SHAPE_PARAMETERS = 500_000_000  # from here on a model is a "real shape": `auto` shards it and recomputes
 
 
-def auto_shard(model: str, workers_per_site: int) -> tuple[str, str]:
+def auto_shard(model: str | dict[str, Any], workers_per_site: int) -> tuple[str, str]:
     """``cpn train``'s ``--shard auto`` / ``--activation-checkpointing auto`` as (shard, activation
     checkpointing): ``site`` + ``full`` for a model of at least :data:`REAL_SHAPE_PARAMETERS` (a Llama
     real shape: its state does not fit one device) when a site has more than one worker, else
     ``none``/``none``. Jobs get the memory-aware choice from the planner instead."""
-    from cpn.runtime.presets import PRESETS
+    from cpn.runtime.presets import resolve
 
-    preset = PRESETS.get(model)
-    real = preset is not None and preset.parameters >= REAL_SHAPE_PARAMETERS
+    try:
+        real = resolve(model).parameters >= REAL_SHAPE_PARAMETERS
+    except ValueError:  # an unknown model: TrainConfig says so
+        real = False
     return ("site" if real and workers_per_site > 1 else "none"), ("full" if real else "none")
 
 
@@ -239,7 +241,8 @@ class DataConfig(_Model):
 
 
 class TrainConfig(_Model):
-    model: str = "small"
+    model: str | dict[str, Any] = Field("small", description="a preset's name, or a custom llama shape {layers, hidden, "
+                                                          "heads, kvHeads, ffnHidden, vocab, seqLen}")
     tokens: int = Field(2_000_000, gt=0, description="token budget over all workers")
     global_batch_tokens: int = Field(16_384, gt=0)
     seq_len: int = Field(128, ge=8)
@@ -267,10 +270,9 @@ class TrainConfig(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        from cpn.runtime.model import PRESETS
+        from cpn.runtime.presets import resolve
 
-        if self.model not in PRESETS:
-            raise ValueError(f"unknown model preset {self.model!r}: pick one of {sorted(PRESETS)}")
+        resolve(self.model)  # an unknown preset or a bad shape: its ValueError names the key and the fix
         if self.global_batch_tokens % self.seq_len:
             raise ValueError(
                 f"global_batch_tokens {self.global_batch_tokens} is not a multiple of seq_len {self.seq_len}: "

@@ -93,3 +93,18 @@ def test_a_two_stage_split_gives_the_whole_models_loss_and_gradients(tied: bool)
     assert all(torch.allclose(p.grad, expected[id(p)], atol=1e-6) for p in model.parameters())
     owned = {id(p) for p in first.owned_params()} | {id(p) for p in last.owned_params()}
     assert len(owned) == len(list(model.parameters()))  # every tensor held by exactly one owner
+
+
+def test_a_runtime_config_takes_a_custom_shape_and_names_a_bad_key() -> None:
+    from pydantic import ValidationError
+
+    from cpn.runtime.autotune import _params
+    from cpn.runtime.config import TrainConfig, auto_shard
+    from cpn.runtime.data import model_config
+
+    shape = {"layers": 2, "hidden": 64, "heads": 4, "kvHeads": 1, "vocab": 256, "seqLen": 128}
+    cfg = TrainConfig(model=shape)
+    assert count_parameters(build_model(model_config(cfg))) == resolve(shape).parameters == _params(cfg)
+    assert auto_shard(shape, 2) == ("none", "none") and auto_shard("llama3-8b", 2) == ("site", "full")
+    with pytest.raises(ValidationError, match="model shape needs 'heads'"):
+        TrainConfig(model={"layers": 2, "hidden": 64, "vocab": 256, "seqLen": 128})

@@ -152,7 +152,7 @@ class Pipeline(Strategy):
 
     @classmethod
     def check(cls, cfg: TrainConfig, topology: Topology, *, builtin_model: bool = True) -> None:
-        from cpn.runtime.presets import PRESETS
+        from cpn.runtime.presets import resolve
 
         sites, (stages, _) = topology.num_sites, cfg.strategy.pipeline_shape(topology.num_sites)
         if stages > sites or sites % stages:
@@ -161,7 +161,7 @@ class Pipeline(Strategy):
         if not topology.is_uniform:
             raise ValueError(f"pipeline needs the same number of workers at every site, got "
                              f"{[s.ranks for s in topology.sites]}: even out the sites")
-        units = PRESETS[cfg.model].n_layers + 2
+        units = resolve(cfg.model).n_layers + 2
         if builtin_model and stages > units:  # a user's model is checked when it is wrapped
             raise ValueError(f"model {cfg.model!r} has {units} units (embedding, {units - 2} blocks, head), too few "
                              f"for {stages} stages: use a deeper model or fewer sites")
