@@ -6,6 +6,7 @@ shape the runtime builds; a bad one is a 422 at its key."""
 
 from __future__ import annotations
 
+from cpn.cli.ctl import output
 from cpn.runtime import presets
 from layers.orchestration.planning import perf
 from layers.orchestration.planning.types import JobRequirements, ModelShape
@@ -50,6 +51,14 @@ async def test_llama3_8b_with_diloco_is_sharded_inside_each_site_and_accepted(ap
         # 8.03 B parameters x 16 B = 128 GB: no 80 GB GPU holds them whole; over a site's 8 GPUs it does
         assert plan["shard"] == "site" and 0 < plan["memoryGBPerGpu"] <= 80, plan
         assert plan["activationCheckpointing"] in ("none", "full")
+    kinds = (await (await api.client.get("/api/v1/kinds")).json())["items"]
+    columns = next(k["columns"] for k in kinds if k["kind"] == "Quote")
+    wide = output.table(items, columns, wide=True).splitlines()  # `cpnctl get quotes l8 -o wide`
+    header = wide[0].split()
+    assert {"MEM/GPU", "SHARD", "RECOMPUTE"} <= set(header), wide[0]
+    assert all(f"{q['model']['memoryGBPerGpu']} GB" in line and " site " in line for q, line in zip(items, wide[1:],
+                                                                                                   strict=True)), wide
+    assert "MEM/GPU" not in output.table(items, columns)  # the plain table stays as it was
     resp = await api.client.post("/api/v1/jobs/l8/accept", json={"quote": "balanced"}, headers=api.auth("alice"))
     assert resp.status == 200, await resp.text()
     status = (await (await api.client.get("/api/v1/jobs/l8", headers=api.auth("alice"))).json())["status"]

@@ -89,7 +89,10 @@ def register(registry: KindRegistry, timeouts: workflow.Timeouts, code_exists: C
                  Column("TIME", "{predictedDuration}"), Column("BASIS", "{basis}"), Column("WAN GB", "{wanGB}"),
                  Column("PRICE", "{price.total} {price.currency}"), Column("STATE", "{state}"),
                  Column("NOTE", "{note}"),
-                 Column("ID", "{id}", wide=True), Column("EXPIRES", "{expiresAt}", wide=True))))
+                 Column("ID", "{id}", wide=True), Column("EXPIRES", "{expiresAt}", wide=True),
+                 # the memory plan (perf.memory_plan): the most loaded GPU's GB, sharding, recompute
+                 Column("MEM/GPU", "{model.memoryGBPerGpu} GB", wide=True), Column("SHARD", "{model.shard}", wide=True),
+                 Column("RECOMPUTE", "{model.activationCheckpointing}", wide=True))))
     registry.register(Kind(
         kind="Reservation", plural="reservations", short_names=("reservation", "lease", "leases", "rsv"),
         manifest=None, store=None, order=70, verbs=("list",), generic_routes=False,
