@@ -19,13 +19,18 @@ import posixpath
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 IGNORE_FILE = ".cpnignore"
 DEFAULT_IGNORE = (".git", ".hg", ".svn", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache",
                   ".ruff_cache", ".ipynb_checkpoints", ".DS_Store")
 DIGEST_PREFIX = "sha256:"
 UNPACK_FACTOR = 20  # an archive may unpack to at most this many times the bundle limit
+# PAX extended headers and GNU long names/links together: tarfile reads each one whole into memory, and
+# the member sizes do not count them (issue 35, H5: a 389 KB bundle with a 400 MB PAX comment, 1.5 GB)
+MAX_HEADER_BYTES = 1 << 20
+_LONG_HEADERS = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                 tarfile.GNUTYPE_LONGLINK)
 
 
 class BundleError(ValueError):
@@ -34,6 +39,10 @@ class BundleError(ValueError):
 
 class BundleTooLarge(BundleError):
     pass
+
+
+class BundleHeadersTooLarge(BundleError):
+    """PAX or GNU long headers past MAX_HEADER_BYTES: a malformed bundle (422), not a big one (413)."""
 
 
 def digest_of(data: bytes) -> str:
@@ -140,11 +149,47 @@ def check_member(member: tarfile.TarInfo) -> None:
         raise BundleError(f"bundle member {name!r} has an unsupported type")
 
 
+class _CheckedTarInfo(tarfile.TarInfo):
+    """Refuses PAX and GNU long headers past MAX_HEADER_BYTES in all before tarfile reads one into memory."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _LONG_HEADERS:
+            seen = getattr(tar, "_cpn_header_bytes", 0) + max(self.size, 0)
+            tar._cpn_header_bytes = seen  # type: ignore[attr-defined]
+            if seen > MAX_HEADER_BYTES:
+                raise BundleHeadersTooLarge(f"bundle's extended (PAX or GNU long-name) headers hold more than "
+                                     f"{MAX_HEADER_BYTES:,} bytes; no file name or attribute needs that many")
+        return super()._proc_member(tar)  # type: ignore[misc]
+
+
+class _Capped(io.RawIOBase):
+    """The decompressed archive, refused past ``cap`` bytes: headers, padding and data alike."""
+
+    def __init__(self, raw: IO[bytes], cap: int) -> None:
+        self.raw, self.cap, self.seen = raw, cap, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        n = self.raw.readinto(buf)  # type: ignore[attr-defined]
+        self.seen += n or 0
+        if self.seen > self.cap:
+            raise BundleTooLarge(f"bundle unpacks to more than {self.cap:,} bytes")
+        return n or 0
+
+
+def _open_capped(fileobj: IO[bytes], max_unpacked: int) -> tarfile.TarFile:
+    cap = max_unpacked + MAX_HEADER_BYTES + (1 << 20)  # data, long headers, and the 512-byte blocks around them
+    stream = io.BufferedReader(_Capped(gzip.GzipFile(fileobj=fileobj, mode="rb"), cap), tarfile.RECORDSIZE)
+    return tarfile.open(fileobj=stream, mode="r|", tarinfo=_CheckedTarInfo)
+
+
 def check_members(fileobj: IO[bytes], max_unpacked: int) -> int:
     """Walk the archive's headers (nothing is written or run); its member count. Raises BundleError."""
     total = count = 0
     try:
-        with tarfile.open(fileobj=fileobj, mode="r|gz") as tar:
+        with _open_capped(fileobj, max_unpacked) as tar:
             for member in tar:
                 check_member(member)
                 total += max(member.size, 0)
@@ -167,7 +212,7 @@ def extract(archive: Path, dest: Path, max_unpacked: int, digest: str | None = N
         check_members(fh, max_unpacked)
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
-    with tarfile.open(archive, mode="r:gz") as tar:
+    with tarfile.open(archive, mode="r:gz", tarinfo=_CheckedTarInfo) as tar:
         for member in tar.getmembers():
             check_member(member)  # again: the archive is the same bytes, but never trust one pass
             target = (root / member.name).resolve()
