@@ -15,7 +15,8 @@ Both share :mod:`async_ps`'s transport (sharded servers inside site leaders, a G
 and direction). A push is ``[gradient shard..., progress, op, step]``; the reply is
 ``[parameters..., step]`` — the server's step after the update, which the worker adopts. A worker
 that leaves (its budget spent, or its pair closed) no longer counts toward a step, so the others
-never wait for it; a step that waits longer than ``wan_timeout_seconds`` is applied with what came.
+never wait for it; a step that waits longer than ``wan_timeout_seconds`` without a set is decided and
+applied with what came (a decided step waits for its accepted pushes, which are in flight to every shard).
 With ``ps_replicas`` the primary forwards each step's mean gradient and learning rate (and each
 leave) to its secondaries; after a fail-over the workers repeat their push to the new primary, which
 counts it toward the step it is on or drops it if that step is already done.
@@ -143,11 +144,28 @@ class RoundServer(Server):
             deadline = time.monotonic() + self.patience
             while self.version <= step:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self.cond.wait(timeout=left):
-                    if self.version <= step and self.arrived:  # the others are silent: apply what came
-                        self._apply_round(progress)
+                if left > 0 and self.cond.wait(timeout=left):
+                    continue
+                if self.version > step or not self.arrived:
                     break
+                if self._overdue():
+                    self._apply_round(progress)
+                    break
+                deadline = time.monotonic() + self.patience
             return self.param.detach().clone(), self.version
+
+    def _overdue(self) -> bool:
+        """Under the lock, once a step waited the WAN patience: whether to apply it now with what came.
+
+        An undecided step (the others are silent) is decided here with this shard's arrivals -- or takes
+        the set another shard posted meanwhile -- and applied. A decided step is applied only once its
+        accepted pushes are here: each was sent to every shard before its worker waited for any reply,
+        so it is in flight and comes, or its worker is lost (and no longer awaited). Applying the pushes
+        that happened to be here at the patience updated this shard with another set than the shards
+        that had them all -- the split step CI met under load after a fail-over (issue 36, item 7)."""
+        if self.accepted is None:
+            self._decide()
+        return not self._missing()
 
     def _shrink(self) -> None:
         """Under the lock: a worker stopped counting; the step may have its quorum, or its accepted pushes, now."""
