@@ -543,7 +543,7 @@ function renderNewJob(main) {
       field("Name", el("input", { id: "name", name: "name", required: true, value: suggested, autocomplete: "off",
                                    pattern: "[a-z0-9]([a-z0-9.\\-]*[a-z0-9])?", maxlength: 63 }),
             "lowercase letters, digits, '-' or '.'"),
-      field("Model", select("model", MODELS, "tiny"), "presets the runtime cannot train are priced for reference only"),
+      field("Model", select("model", MODELS, "tiny"), "every preset trains; one no GPU holds whole is sharded over a site's GPUs"),
       field("Tokens", numberInput("tokens", 900000, 1), "training budget"),
       field("Global batch (tokens)", numberInput("batch", 3072, 1)),
       field("Strategy", select("strategy", STRATEGIES, "auto"), "auto lets the planner choose"),
@@ -692,7 +692,7 @@ async function acceptQuote(name, q, status, pending, show) {
 
 function quoteCard(name, q, status, pending, show) {
   const expired = q.state === "expired";
-  const blocked = q.pricingOnly || expired || (q.state && q.state !== "open" && !q.chosen);
+  const blocked = expired || (q.state && q.state !== "open" && !q.chosen);
   const accept = el("button", { type: "button", class: "accept", disabled: blocked ? true : null },
     `Accept ${q.label}`);
   accept.addEventListener("click", async () => {
@@ -734,7 +734,6 @@ function quoteCard(name, q, status, pending, show) {
     q.basis === "profiled" && q.profile ? el("p", { class: "muted" },
       `Profiled: ${fmt.num(q.profile.measuredStepSeconds, 3)} s per step measured on ${q.profile.gpus}×` +
       `${q.profile.gpuModel} at ${q.profile.site}; ${fmt.num(q.profile.stepSeconds, 3)} s per step here`) : null,
-    q.pricingOnly ? el("p", { class: "warn-text" }, `Priced for reference only: ${q.pricingOnly}`) : null,
     expired ? el("p", { class: "muted" }, "This quote has expired: get quotes again.") : null,
     el("details", {}, el("summary", {}, `${lines.length} price line${lines.length === 1 ? "" : "s"}`),
       el("ul", { class: "lines" }, lines.map((l) => el("li", {},

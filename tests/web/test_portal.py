@@ -264,9 +264,10 @@ def test_user_prices_changes_and_re_prices_then_accepts(portal_world: tuple[Live
 
 
 @needs_browser
-def test_a_pricing_only_model_and_a_dear_quote_ask_first(portal_world: tuple[LiveServer, str]) -> None:
-    """llama-7b (the issue's poison) is priced for reference only and cannot be accepted; a quote far
-    above the cheapest asks for confirmation, and declining creates nothing."""
+def test_a_large_model_and_a_dear_quote_ask_first(portal_world: tuple[LiveServer, str]) -> None:
+    """llama-7b, once priced for reference only, is a model CPN trains (issue 28): quoted with no such
+    note where a placement holds it, else refused next to the model; a quote far above the cheapest asks
+    for confirmation, and declining creates nothing."""
     from playwright.sync_api import expect
 
     server, user = portal_world
@@ -278,9 +279,7 @@ def test_a_pricing_only_model_and_a_dear_quote_ask_first(portal_world: tuple[Liv
         quotes = page.locator("article.quote")
         expect(quotes.first.or_(page.locator("#quotes-out .error"))).to_be_visible()
         if quotes.count():
-            expect(quotes.first).to_contain_text("Priced for reference only")
-            for label in ("cheapest", "fastest", "balanced"):
-                expect(page.get_by_role("button", name=f"Accept {label}")).to_be_disabled()
+            expect(quotes.first).not_to_contain_text("reference only")
         else:  # or refused outright, next to the model
             expect(page.locator("#model-error")).not_to_be_empty()
         assert api_get(server, user, "/api/v1/jobs/big-model").status_code == 404
