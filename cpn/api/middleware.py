@@ -38,7 +38,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         _refuse_nul(request)
         response = await handler(request)
     except errors.CPNError as exc:
-        response = json_response(exc.to_body(), status=exc.status)
+        response = _error_response(exc)
     except web.HTTPRequestEntityTooLarge:
         exc2 = errors.PayloadTooLarge(f"request body is larger than {request.app._client_max_size} bytes")
         response = json_response(exc2.to_body(), status=413)
@@ -53,12 +53,24 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         response = json_response({"error": {"code": code, "message": message, "field": None}}, exc.status)
         if "Allow" in exc.headers:  # RFC 9110: a 405 says which methods the path takes
             response.headers["Allow"] = exc.headers["Allow"]
-    except Exception:  # noqa: BLE001 - the boundary: nothing unexpected reaches a user as a traceback
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        response = json_response({"error": {"code": "internal", "field": None,
-                                            "message": f"internal error (request id {request['request_id']})"}},
-                                 status=500)
+    except Exception as exc:  # noqa: BLE001 - the boundary: nothing unexpected reaches a user as a traceback
+        down = errors.unavailable(exc)
+        if down is not None:  # the database or the disk is down: 503 and when to retry, not "internal error"
+            log.warning("%s %s: %s", request.method, request.path, down.message)
+            response = _error_response(down)
+        else:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            response = json_response({"error": {"code": "internal", "field": None,
+                                                "message": f"internal error (request id {request['request_id']})"}},
+                                     status=500)
     response.headers["X-Request-Id"] = request["request_id"]
+    return response
+
+
+def _error_response(exc: errors.CPNError) -> web.Response:
+    response = json_response(exc.to_body(), status=exc.status)
+    if isinstance(exc, errors.Unavailable):
+        response.headers["Retry-After"] = str(exc.retry_after)
     return response
 
 

@@ -13,7 +13,8 @@
      │    ├── StaleVersion        409 stale
      │    └── InUse               409 in_use
      ├── RateLimited              429 rate_limited
-     └── Unavailable              503 unavailable
+     └── Unavailable              503 unavailable    (with Retry-After; also what `unavailable()` makes
+                                                      of a database or disk error the code did not expect)
 
 The API serialises any of them as ``{"error": {"code", "message", "field", "details"}}`` and the
 client library turns that body back into :class:`cpn.client.ApiError`. A validation error reports
@@ -23,6 +24,7 @@ every bad field: ``message`` lists them all, ``field`` names the first, ``detail
 
 from __future__ import annotations
 
+import errno
 import re
 from typing import Any
 
@@ -97,6 +99,54 @@ class RateLimited(CPNError):
 
 class Unavailable(CPNError):
     status, code = 503, "unavailable"
+    retry_after = 5  # seconds: the ``Retry-After`` the API sends with it
+
+
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+
+def unavailable(exc: BaseException) -> Unavailable | None:
+    """The :class:`Unavailable` an unexpected error stands for, if it says the database or the disk is
+    down (issue 36, item 5: these answered 500 "internal error", and load balancers took the server for
+    broken): SQLAlchemy's OperationalError / InterfaceError / DisconnectionError / pool timeout (the
+    database refused, dropped or could not open the connection, or is full), a refused or reset
+    connection, PostgreSQL's "cannot serve" states, a full or read-only disk. Anything else (a bug) stays a 500. The cause chain is walked:
+    the drivers' errors arrive wrapped."""
+    from sqlalchemy import exc as sa  # the server's error path only: cpnctl imports this module too
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, sa.OperationalError | sa.InterfaceError | sa.DisconnectionError | sa.TimeoutError):
+            return Unavailable(f"the database is unavailable ({_first_line(cause)}); retry the request",
+                               details={"database": "down"})
+        if isinstance(cause, OSError) and cause.errno in _DISK_ERRNOS:
+            return Unavailable(f"the server's disk is unavailable ({cause.strerror or cause}); retry the request",
+                               details={"disk": "unavailable"})
+        if isinstance(cause, ConnectionError) or _down_state(cause):  # refused, reset; or PostgreSQL says so
+            return Unavailable(f"the database is unavailable ({cause}); retry the request",
+                               details={"database": "down"})
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+# PostgreSQL's SQLSTATEs for a database that cannot serve: connection exceptions (08), insufficient resources
+# (53: disk full, out of memory, too many connections), shutting down or starting up (57P), gone (3D000)
+_DOWN_STATES = ("08", "53", "57P", "3D000")
+
+
+def _down_state(exc: BaseException) -> bool:
+    state = getattr(exc, "sqlstate", None)
+    if not isinstance(state, str):
+        return False
+    return state.startswith(_DOWN_STATES) or (state == "55000" and "accepting connections" in str(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None)  # the driver's own message, not SQLAlchemy's statement dump
+    text = str(orig if orig is not None else exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
 
 
 def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
