@@ -10,7 +10,6 @@ claim is idempotent on the server, so nothing is launched twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -108,8 +107,8 @@ class WorkLoop:
             log.warning("stopping sub-task %s attempt %s: it still ran here, but the server no longer wants it "
                         "(declared lost while this agent was away)", run.spec.subtask, run.spec.attempt)
             self.orphans.append(run)
-        else:
-            await self._cleanup(run)
+        elif not await self._cleanup(run):
+            self.orphans.append(run)  # its runner is still exiting: deleted on a later pass
 
     def held_slots(self) -> int:
         """Slots taken by orphans that are still stopping: the site must not offer them."""
@@ -118,18 +117,22 @@ class WorkLoop:
     async def reap_orphans(self) -> None:
         for run in list(self.orphans):
             state = await self.driver.poll(run.spec, run.handle)
-            if state.phase not in ("Launching", "Running"):
+            if state.phase not in ("Launching", "Running") and await self._cleanup(run):
                 self.orphans.remove(run)
                 log.info("orphaned sub-task %s attempt %s has stopped (%s)", run.spec.subtask, run.spec.attempt,
                          state.phase)
-                await self._cleanup(run)
 
-    async def _cleanup(self, run: Run) -> None:
-        """The run's folder goes once it has ended and was reported (a driver without one keeps it)."""
+    async def _cleanup(self, run: Run) -> bool:
+        """The run's folder goes once it has ended and was reported (a driver without a `cleanup` keeps
+        it). False while the driver says it cannot yet (its runner is still exiting): ask again."""
         cleanup = getattr(self.driver, "cleanup", None)
-        if cleanup is not None:
-            with contextlib.suppress(OSError):
-                await cleanup(run.spec, run.handle)
+        if cleanup is None:
+            return True
+        try:
+            return bool(await cleanup(run.spec, run.handle))
+        except OSError:
+            log.exception("could not delete the run of sub-task %s attempt %s", run.spec.subtask, run.spec.attempt)
+            return True
 
     # ------------------------------------------------------------ watcher
     async def watch_once(self) -> None:
@@ -222,8 +225,8 @@ class WorkLoop:
         if _changed(run.reported, state) or time.monotonic() - run.reported_at > REPORT_EVERY:
             await self._report(run, state)
         if state.phase in DONE and not lines and run.reported is not None and run.reported.phase in DONE:
-            del self.runs[uid]  # reported and drained
-            await self._cleanup(run)
+            if await self._cleanup(run):  # reported and drained: the run's folder goes
+                del self.runs[uid]
 
     async def _report(self, run: Run, state: SubtaskState) -> None:
         body = {"phase": state.phase, "message": state.message[:2000],

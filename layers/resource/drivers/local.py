@@ -172,16 +172,18 @@ class LocalDriver:
 
     async def cleanup(self, spec: AttemptSpec, handle: dict[str, Any]) -> bool:
         """Delete a run that has ended and was reported, and its job's folder with the last one (its
-        uid's processes killed, the uid given back). False when it stays: kept on purpose, still
-        running, or holding outputs the server never confirmed."""
+        uid's processes killed, the uid given back). False only while its runner still runs (ask
+        again); a run kept on purpose (``keep_runs``, outputs the server never confirmed) is done."""
         directory = Path(handle["runDir"])
-        if self.keep_runs or not directory.exists() or runner_pid(directory) is not None:
+        if self.keep_runs or not directory.exists():
+            return True
+        if runner_pid(directory) is not None:
             return False
         status = _read_json(directory / "status.json") or {}
         if status.get("outputs") == "unsaved":
             log.warning("keeping %s: it holds outputs the server did not confirm (%s)", directory,
                         status.get("message", ""))
-            return False
+            return True
         shutil.rmtree(directory, ignore_errors=True)
         with contextlib.suppress(OSError):
             directory.parent.rmdir()  # the attempt's folder, once empty
