@@ -19,7 +19,14 @@ from pathlib import Path
 
 from cpn.runtime import faults
 from cpn.runtime.autotune import resolve
-from cpn.runtime.config import ENV_RUN_DIR, FINAL_MODEL, PS_STRATEGIES, TrainConfig
+from cpn.runtime.config import (
+    ENV_RUN_DIR,
+    FINAL_MODEL,
+    PS_STRATEGIES,
+    SHARDABLE_STRATEGIES,
+    UNSHARDABLE_REASONS,
+    TrainConfig,
+)
 from cpn.runtime.launcher import launch
 from cpn.runtime.strategies import strategy_class
 from cpn.runtime.strategies.async_ps import check_ps
@@ -80,6 +87,10 @@ def check_shard(config: TrainConfig, topology: Topology) -> None:
         raise ValueError(f"the checkpoint under {config.resume} is sharded: resume it with shard='site' (--shard site)")
     if config.shard != "site":
         return
+    if config.strategy.name not in SHARDABLE_STRATEGIES:  # e.g. chosen by autotune for strategy 'auto'
+        raise ValueError(f"strategy {config.strategy.name!r} cannot run with shard='site' "
+                         f"({UNSHARDABLE_REASONS[config.strategy.name]}): use shard='none' or one of "
+                         f"{', '.join(SHARDABLE_STRATEGIES)}")
     ranks = [site.ranks for site in topology.sites]
     if len(set(ranks)) > 1:
         raise ValueError(f"shard='site' needs the same number of workers at every site, got {ranks}: even out the "
