@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from cpn.api import metrics, middleware, state, wiring, workers
+from cpn.api import metrics, middleware, security_headers, state, wiring, workers
 from cpn.api.routes import resources, system
 from cpn.core.db import Database
 from cpn.core.migrate import upgrade_async
@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None, db: Database | None = None, *, 
     if migrate:  # a cleanup context, so it runs before the reconciler's (contexts start in order)
         app.cleanup_ctx.append(_migrate)
     app.on_startup.append(_warm_planner)
+    app.on_response_prepare.append(security_headers.add)
     metrics.install(app)
     system.setup(app)
     resources.setup(app)

@@ -119,9 +119,12 @@ class LinkManifest(ManifestBase):
     status: dict[str, Any] | None = None
 
 
+MAX_CLUSTER_GPUS = 10_000_000  # more than any pool can state (64 per node x 100,000 nodes); a 32-bit column
+
+
 class HeartbeatRequest(CamelModel):
-    capacity_gpus: int | None = Field(default=None, ge=0)  # before allocatableGpus: its check reads it
-    allocatable_gpus: int = Field(ge=0, description="GPUs free now; at most capacityGpus when that is given "
+    capacity_gpus: int | None = Field(default=None, ge=0, le=MAX_CLUSTER_GPUS)  # before allocatableGpus: its check reads it
+    allocatable_gpus: int = Field(ge=0, le=MAX_CLUSTER_GPUS, description="GPUs free now; at most capacityGpus when that is given "
                                                    "(a rule between two fields, checked by the server)")
     conditions: list[Condition] = Field(default_factory=list)
     node_pools: list[NodePool] | None = None

@@ -1,0 +1,48 @@
+"""Issue 35's small API-surface findings: capacity bounds (L3), security headers (L4), one message for any
+unusable token (L5)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import update
+
+from layers.orchestration.identity.models import Token
+from layers.orchestration.identity.tokens import UNUSABLE
+from tests.api.test_resource import WORLD_A, apply
+from tests.conftest import make_token
+
+
+async def test_a_heartbeat_past_any_cluster_is_a_422_naming_the_field(api) -> None:  # type: ignore[no-untyped-def]
+    assert (await apply(api, "prov-a", WORLD_A)).status == 200
+    for body, field in (({"capacityGpus": 1e23, "allocatableGpus": 1}, "capacityGpus"),
+                        ({"allocatableGpus": 10**12}, "allocatableGpus")):
+        r = await api.client.post("/api/v1/clusters/fra-h100/heartbeat", json=body, headers=api.auth("prov-a"))
+        got = await r.json()
+        assert r.status == 422 and field in str(got["error"]), got
+
+
+async def test_the_portal_and_the_api_send_security_headers(api) -> None:  # type: ignore[no-untyped-def]
+    for path, who in (("/", None), ("/ui", None), ("/api/v1/whoami", "alice"), ("/api/v1/nope", "alice"),
+                      ("/healthz", None)):
+        r = await api.client.get(path, headers=api.auth(who) if who else {})
+        assert r.headers["X-Frame-Options"] == "DENY", path
+        assert r.headers["X-Content-Type-Options"] == "nosniff", path
+        csp = r.headers["Content-Security-Policy"]
+        assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp and "unsafe-inline" not in csp, path
+
+
+async def test_unknown_revoked_expired_and_malformed_tokens_read_alike(api, db) -> None:  # type: ignore[no-untyped-def]
+    revoked, expired = await make_token(db, "rita", "user"), await make_token(db, "ed", "user")
+    async with db.session() as s:
+        await s.execute(update(Token).where(Token.lookup == revoked.split("_")[1]).values(revoked=True))
+        await s.execute(update(Token).where(Token.lookup == expired.split("_")[1])
+                        .values(expires_at=datetime.now(UTC) - timedelta(hours=1)))
+        await s.commit()
+    alice = api.tokens["alice"]
+    messages = set()
+    for token in (revoked, expired, "cpn_0123456789abcdef_nope", "nonsense", alice[:-3] + "xyz"):
+        r = await api.client.get("/api/v1/whoami", headers={"Authorization": f"Bearer {token}"})
+        assert r.status == 401, token
+        messages.add((await r.json())["error"]["message"])
+    assert messages == {UNUSABLE}
