@@ -187,21 +187,21 @@ async def _verify_once(session: AsyncSession, key: str, token: str) -> Principal
 async def _verify(session: AsyncSession, token: str) -> Principal:
     parts = token.split("_", 2)
     if len(parts) != 3 or parts[0] != "cpn":
-        raise errors.Unauthenticated("malformed token")
+        raise errors.Unauthenticated(UNUSABLE)
     row = (await session.execute(
         select(Token, Account).join(Account, Account.id == Token.account_id).where(Token.lookup == parts[1])
     )).first()
     if row is None:
-        raise errors.Unauthenticated("unknown token")
+        raise errors.Unauthenticated(UNUSABLE)
     tok, account = row
     try:  # the KDF (~20 ms of CPU) runs beside the event loop: argon2 releases the GIL
         await asyncio.to_thread(_HASHER.verify, tok.secret_hash, parts[2])
     except (VerificationError, InvalidHashError) as exc:
-        raise errors.Unauthenticated("invalid token") from exc
+        raise errors.Unauthenticated(UNUSABLE) from exc
     if tok.revoked or account.disabled:
-        raise errors.Unauthenticated("token revoked")
+        raise errors.Unauthenticated(UNUSABLE)
     if tok.expires_at is not None and _aware(tok.expires_at) < datetime.now(UTC):
-        raise errors.Unauthenticated("token expired")
+        raise errors.Unauthenticated(UNUSABLE)
     role = Role.WORKER if tok.job else Role(account.role)
     return Principal(account_id=account.id, name=account.name, role=role, token_id=tok.id, job=tok.job)
 
@@ -221,9 +221,9 @@ def _validity() -> Any:
 def _check_still_valid(row: Any) -> None:
     if row is None or row.revoked or row.disabled:
         _cache.clear()
-        raise errors.Unauthenticated("token revoked")
+        raise errors.Unauthenticated(UNUSABLE)
     if row.expires_at is not None and _aware(row.expires_at) < datetime.now(UTC):
-        raise errors.Unauthenticated("token expired")
+        raise errors.Unauthenticated(UNUSABLE)
 
 
 async def authenticate_charged(db: Database, header: str | None, limiter: Any) -> tuple[Principal, bool | None]:
@@ -261,6 +261,12 @@ async def revoke_job_tokens(session: AsyncSession, job: str) -> None:
     for tok in (await session.execute(select(Token).where(Token.job == job))).scalars():
         tok.revoked = True
     _cache.clear()
+
+
+# One message for any token the server will not take (unknown, wrong secret, revoked, expired, its account
+# disabled): telling them apart tells a guesser which tokens exist (issue 35, L5)
+UNUSABLE = ("token not accepted (unknown, revoked or expired): ask an admin for a new one "
+            "(cpn token create NAME --role ROLE)")
 
 
 def _aware(value: datetime) -> datetime:
