@@ -257,7 +257,7 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
             lines=lines, total=pricing.total(lines), currency=spec.currency, ttl=t.quote_ttl, now=now))
     if not rows and refused:
         raise errors.Infeasible("no placement can run: " + "; ".join(refused), field=_field_of(refused[0]))
-    return rows
+    return quotes_mod.true_labels(rows)
 
 
 def pricing_inputs(market: capacity.OfferSet) -> tuple[dict[str, str], dict[str, pricing.Seller],
