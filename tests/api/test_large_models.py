@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from cpn.cli.ctl import output
 from cpn.runtime import presets
+from layers.orchestration.lifecycle.plan import attempt_plan
 from layers.orchestration.planning import perf
 from layers.orchestration.planning.types import JobRequirements, ModelShape
+from layers.resource.capacity import LinkView
 from layers.service.schemas import MODEL_PRESETS, TrainingJobSpec
 from tests.api.test_jobs import quotes, submit
 from tests.api.test_resource import cluster, link, site
@@ -63,6 +65,12 @@ async def test_llama3_8b_with_diloco_is_sharded_inside_each_site_and_accepted(ap
     assert resp.status == 200, await resp.text()
     status = (await (await api.client.get("/api/v1/jobs/l8", headers=api.auth("alice"))).json())["status"]
     assert status["phase"] == "Reserved" and status["memory"]["shard"] == "site"
+    links = [LinkView(name="fra-ams", a="fra-1", b="ams-1", bandwidth_gbps=10, rtt_ms=20, price_per_gb="0.02",
+                      owner_id="")]
+    spec = TrainingJobSpec.model_validate(_job("l8", gpus={"min": 16, "max": 16})["spec"])
+    _, train = attempt_plan(spec, status["strategy"], status["placement"], status["ring"], links, memory=status["memory"])
+    assert train["model"] == "llama3-8b" and train["shard"] == "site"  # what the attempt's workers build
+    assert train["activation_checkpointing"] == status["memory"]["activationCheckpointing"]
 
 
 async def test_llama3_8b_on_single_24gb_gpus_is_refused_naming_the_memory(api) -> None:  # type: ignore[no-untyped-def]
@@ -94,6 +102,18 @@ def test_a_custom_shape_is_priced_as_the_model_the_runtime_builds() -> None:
     assert spec.model.shape() == {"parameters": built.parameters, "layers": 4, "hidden": 256, "seqLen": 128,
                                   "vocab": 256}
     assert spec.model.runtime_model() == shape and built.parameters == presets.PRESETS["llama-nano"].parameters
+
+
+async def test_a_custom_shape_is_quoted_accepted_and_built_by_the_runtime(api) -> None:  # type: ignore[no-untyped-def]
+    await _register(api, gpus=8, memory_gb=80)
+    shape = {"layers": 4, "hidden": 256, "heads": 8, "kvHeads": 4, "ffnHidden": 704, "vocab": 256, "seqLen": 128}
+    resp = await submit(api, _job("custom", model=shape, strategy="ddp", tokens=1_000_000, globalBatchTokens=4096,
+                                  gpus={"min": 2, "max": 2}))
+    assert resp.status == 201, await resp.text()
+    items = await quotes(api, "custom")
+    assert all(q["model"]["shard"] == "none" and q["model"]["activationCheckpointing"] == "none" for q in items)
+    resp = await api.client.post("/api/v1/jobs/custom/accept", json={"quote": "cheapest"}, headers=api.auth("alice"))
+    assert resp.status == 200, await resp.text()
 
 
 async def test_a_bad_custom_shape_names_its_key(api) -> None:  # type: ignore[no-untyped-def]
