@@ -97,9 +97,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     principal, allowed = await tokens.authenticate_charged(request.app[state.DB], header, request.app[RATE])
     if principal.role is Role.WORKER and not _worker_may(request, principal.job or ""):
         raise errors.Forbidden("a worker token may only report metrics and checkpoints for its own job")
-    if allowed is None and principal.role is not Role.WORKER:
+    if allowed is None:  # worker tokens too (issue 35, M2): one bucket per token, like every other
         allowed = await request.app[RATE].allow(principal.token_id or principal.account_id)
-    if principal.role is not Role.WORKER and not allowed:
+    if not allowed:
         raise errors.RateLimited("too many requests for this token; slow down and retry")
     request[PRINCIPAL] = principal
     return await handler(request)

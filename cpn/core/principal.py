@@ -20,6 +20,7 @@ class Principal:
     role: Role
     token_id: str | None = None
     job: str | None = None  # set for worker tokens
+    subtask: str | None = None  # a worker token's sub-task (its attempt, site and ranks); None: minted before 0016
 
     @property
     def is_admin(self) -> bool:

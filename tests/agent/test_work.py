@@ -1,14 +1,20 @@
 """The agent's work loop against the real API (in-process, over real HTTP) and the real reconciler:
 a site whose driver cannot launch one job fails that job alone, with the driver's reason, and keeps
-running the others; an agent that died between a claim and a launch launches on restart."""
+running the others; an agent that died between a claim and a launch does not claim again (a sub-task's
+worker token is minted once): the claim timeout re-places it."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
+
+import httpx
+from sqlalchemy import func, select
 
 from cpn.agent.work import WorkLoop
 from cpn.runtime.contract import AttemptSpec
+from layers.orchestration.identity.models import Token
+from layers.orchestration.lifecycle.models import SubtaskRow
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
 from layers.resource.drivers.base import DriverError, LogLine, SubtaskState
 from tests.layers.orchestration.test_reconciler import _accept, _job, _job_of, _world
@@ -35,6 +41,9 @@ class Site:
     async def poll(self, spec: AttemptSpec, handle: dict[str, Any]) -> SubtaskState:
         handle["polls"] += 1
         done = handle["polls"] > 2
+        if done and not handle.get("trained"):  # its workers report what they trained, as the runtime's do
+            handle["trained"] = True
+            await _trained(spec)
         return SubtaskState("Succeeded" if done else "Running",
                             exit_codes={str(r): 0 if done else None for r in spec.ranks})
 
@@ -47,6 +56,16 @@ class Site:
     async def logs(self, spec: AttemptSpec, handle: dict[str, Any],
                    cursor: dict[str, Any]) -> tuple[list[LogLine], dict[str, Any]]:
         return [], cursor
+
+
+async def _trained(spec: AttemptSpec) -> None:
+    """One metric report per rank with the sub-task's own worker token (a job that reported no
+    trained token does not succeed)."""
+    assert spec.server and spec.worker_token
+    async with httpx.AsyncClient(base_url=spec.server) as client:
+        await client.post(f"{spec.job_path}/metrics", headers={"Authorization": f"Bearer {spec.worker_token}"},
+                          json={"reports": [{"rank": r, "site": spec.site_index, "step": 1, "tokens": 64}
+                                            for r in spec.ranks]})
 
 
 def _url(api) -> str:  # type: ignore[no-untyped-def]
@@ -70,7 +89,7 @@ async def test_a_site_that_cannot_launch_fails_that_job_alone_and_the_good_one_s
     await _world(api)
     resp = await api.client.post("/api/v1/jobs", json=_job("too-big", model="llama-7b"), headers=api.auth("alice"))
     assert resp.status == 422, await resp.text()  # offered nowhere: no CPU slot holds a 7B model
-    await _accept(api, "refused")
+    await _accept(api, "refused", maxPricePerGpuHour="100")  # may move to a dearer cluster
     await _accept(api, "good")
     site = Site(refuse="refused")
     agents = _agents(api, site)
@@ -98,9 +117,12 @@ async def test_a_site_that_cannot_launch_fails_that_job_alone_and_the_good_one_s
     assert all(r["status"]["state"] != "active" for r in (await resp.json())["items"])
 
 
-async def test_a_claim_whose_agent_died_before_launching_is_launched_by_the_restarted_agent(api, db) -> None:  # type: ignore[no-untyped-def]
+async def test_a_claim_whose_agent_died_before_launching_is_re_placed_not_claimed_again(api, db) -> None:  # type: ignore[no-untyped-def]
+    """Before: the restarted agent claimed again and got a fresh worker token (any holder of the
+    provider's token could collect them, issue 35). Now the claim is refused; the claim timeout
+    fails the sub-task as its site's fault and the job runs on another cluster."""
     await _world(api)
-    await _accept(api, "orphan")
+    await _accept(api, "orphan", maxPricePerGpuHour="100")
     reconciler = Reconciler(db, ReconcilerConfig(heartbeat_timeout=timedelta(seconds=60),
                                                  lease_ttl=timedelta(hours=1), claim_timeout=timedelta(hours=1)))
     await reconciler.reconcile_once()
@@ -116,12 +138,27 @@ async def test_a_claim_whose_agent_died_before_launching_is_launched_by_the_rest
     agent = WorkLoop(_url(api), api.tokens[CLUSTERS[cluster]], cluster, site, advertise="127.0.0.1")
     try:
         await agent.adopt()
-        for _ in range(5):
+        for _ in range(3):
             await _pass(reconciler, [agent])
     finally:
         agent.close()
-    assert site.launched == [(f"alice/orphan-{cluster}", 1)]  # launched once, by the restarted agent
-    assert (await _job_of(db, "orphan")).phase == "Succeeded"
+    assert site.launched == []  # the claim was refused: no second token, nothing launched
+    async with db.session() as s:
+        assert (await s.execute(select(func.count()).select_from(Token).where(Token.job == "alice/orphan"))).scalar() == 1
+        row = (await s.execute(select(SubtaskRow).where(SubtaskRow.id == uid))).scalar_one()
+        row.claimed_at = datetime.now(UTC) - timedelta(minutes=10)
+    timeout = Reconciler(db, ReconcilerConfig(heartbeat_timeout=timedelta(seconds=60), lease_ttl=timedelta(hours=1),
+                                              claim_timeout=timedelta(seconds=60)))
+    agents = _agents(api, site)
+    try:
+        for _ in range(8):
+            await _pass(timeout, agents)
+    finally:
+        for each in agents:
+            each.close()
+    job = await _job_of(db, "orphan")
+    assert (job.phase, job.status["attempt"]) == ("Succeeded", 2), job.status
+    assert [x[1] for x in site.launched] == [2] and cluster not in site.launched[0][0]
 
 
 class KilledSite(Site):

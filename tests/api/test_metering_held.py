@@ -22,7 +22,7 @@ def test_held_seconds_prefer_gpu_seconds_and_fall_back_to_wall_seconds() -> None
 
 async def test_gpu_hours_are_the_seconds_the_rank_held_its_gpu(api, db) -> None:  # type: ignore[no-untyped-def]
     await _world(api)
-    t = await _running(api, db, "held")
+    t = await _running(api, db, "held", launched_ago=60)  # the server saw it hold its GPU for 60 s
     async with db.session() as s:
         job = (await s.execute(select(JobRow).where(JobRow.name == "alice/held").with_for_update())).scalar_one()
         await metering.ingest(s, job, await contract_of(s, job), [

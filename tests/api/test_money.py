@@ -47,7 +47,7 @@ async def _invoice(api, name: str) -> dict:  # type: ignore[no-untyped-def]
 
 async def test_many_small_reports_add_up_to_one_rounding(api, db) -> None:  # type: ignore[no-untyped-def]
     await _world(api)
-    t = await _running(api, db, "tiny-bill")
+    t = await _running(api, db, "tiny-bill", launched_ago=300)  # 210 s reported within 300 s observed
     reports, step = 300, 0.7
     for i in range(1, reports + 1):
         await _report(db, "tiny-bill", t, step * i)

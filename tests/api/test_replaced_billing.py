@@ -40,7 +40,7 @@ async def test_work_after_a_re_placement_is_billed_at_the_new_clusters_list_pric
     """The reported defect: a job re-placed off a dead agent's cluster onto one its quote never named ran
     there and billed nothing (lines [], total 0.00), and that cluster's provider never saw the job."""
     await _world(api)
-    await _accept(api, "moved", strategy="ddp")
+    await _accept(api, "moved", strategy="ddp", maxPricePerGpuHour="1.00")  # consents to a dearer cluster
     quoted = await _job_of(db, "moved")
     first = quoted.status["placement"][0]["cluster"]
     await _reconciler(db, 60).reconcile_once()
@@ -60,6 +60,7 @@ async def test_work_after_a_re_placement_is_billed_at_the_new_clusters_list_pric
         t = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/moved",
                                                       SubtaskRow.attempt == 2))).scalar_one()
         t.phase = t.reported = "Running"
+        t.launched_at = datetime.now(UTC) - timedelta(seconds=30)  # claimed 30 s ago: 16 s fit in it
     await _ingest(db, "moved", 2, gpuSeconds=16.0, wallSeconds=15.0)
     inv = await _invoice(api, "moved")
     [line] = inv["lines"]
@@ -102,7 +103,7 @@ async def test_a_lines_amount_is_its_quantity_times_its_unit_price_as_shown(api,
     """1.3 s at 0.45/h: the exact hours (0.000361111…) × 0.45 round to 0.000163, but the line shows
     0.000361 × 0.45 = 0.000162; and the invoice showed the ledger's '0.450000' where the quote said '0.45'."""
     await _world(api)
-    t = await _running(api, db, "exact")
+    t = await _running(api, db, "exact", launched_ago=10)
     await _ingest(db, "exact", t.attempt, gpuSeconds=1.3)
     job = await _job_of(db, "exact")
     quoted = {q["cluster"]: q["unitPrice"] for q in job.status["quoteLines"] if q["item"] == "gpu-hours"}

@@ -118,11 +118,13 @@ async def post_subtask_logs(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- workers
 async def post_metrics(request: web.Request) -> web.Response:
     body = await read_model(request, MetricsBatch)
+    metering.check_reports(body.reports)  # NaN, Infinity, negative: 422 naming the field
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
         job = await load_job(s, principal, request.match_info["name"], lock=True)
         if job.phase not in ("Launching", "Running", "Profiling"):
             return json_response({"accepted": 0, "phase": job.phase})
+        await agents.check_worker(s, principal, job, body.reports)
         taken = await metering.ingest(s, job, await contract_of(s, job), body.reports)
     return json_response({"accepted": taken})
 

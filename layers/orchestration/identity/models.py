@@ -29,6 +29,7 @@ class Token(Tracked, Base):
     lookup: Mapped[str] = mapped_column(String(32), unique=True, nullable=False)
     secret_hash: Mapped[str] = mapped_column(Text, nullable=False)
     job: Mapped[str | None] = mapped_column(String(KEY_LEN), nullable=True, index=True)
+    subtask: Mapped[str | None] = mapped_column(String(36), nullable=True, index=True)  # a worker's: its sub-task id
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False, nullable=False)
 

@@ -53,11 +53,11 @@ async def ensure_account(session: AsyncSession, name: str, role: Role) -> Accoun
 
 
 async def issue_token(session: AsyncSession, account: Account, name: str, *, job: str | None = None,
-                      expires_at: datetime | None = None) -> str:
+                      subtask: str | None = None, expires_at: datetime | None = None) -> str:
     """Create a token for an account and return it in clear — the only time it is visible."""
     lookup, secret, token = _mint()
     session.add(Token(account_id=account.id, name=name, lookup=lookup, secret_hash=_HASHER.hash(secret),
-                      job=job, expires_at=expires_at))
+                      job=job, subtask=subtask, expires_at=expires_at))
     await session.flush()
     return token
 
@@ -203,7 +203,8 @@ async def _verify(session: AsyncSession, token: str) -> Principal:
     if tok.expires_at is not None and _aware(tok.expires_at) < datetime.now(UTC):
         raise errors.Unauthenticated(UNUSABLE)
     role = Role.WORKER if tok.job else Role(account.role)
-    return Principal(account_id=account.id, name=account.name, role=role, token_id=tok.id, job=tok.job)
+    return Principal(account_id=account.id, name=account.name, role=role, token_id=tok.id, job=tok.job,
+                     subtask=tok.subtask)
 
 
 async def _still_valid(session: AsyncSession, principal: Principal) -> None:
@@ -227,12 +228,12 @@ def _check_still_valid(row: Any) -> None:
 
 
 async def authenticate_charged(db: Database, header: str | None, limiter: Any) -> tuple[Principal, bool | None]:
-    """`authenticate_request` and, for a token verified before (not a worker's) under a shared rate
+    """`authenticate_request` and, for a token verified before under a shared rate
     limiter, its rate limit in the same statement: (principal, whether within the limit); None when
     the limit was not checked (the caller asks the limiter)."""
     charging = getattr(limiter, "charging", None)
     hit = _cache.get(_digest(header)) if header and header.startswith("Bearer ") else None
-    if charging is None or not hit or hit[0] <= time.monotonic() or hit[1].role is Role.WORKER:
+    if charging is None or not hit or hit[0] <= time.monotonic():
         return await authenticate_request(db, header), None
     principal = hit[1]
     row = await db.write_returning(charging(_validity()), {"token_id": principal.token_id,
@@ -261,6 +262,18 @@ async def revoke_job_tokens(session: AsyncSession, job: str) -> None:
     for tok in (await session.execute(select(Token).where(Token.job == job))).scalars():
         tok.revoked = True
     _cache.clear()
+
+
+async def revoke_subtask_tokens(session: AsyncSession, subtask: str) -> None:
+    """A sub-task ended (or was lost): its workers' token stops working at every replica."""
+    for tok in (await session.execute(select(Token).where(Token.subtask == subtask,
+                                                          Token.revoked.is_(False)))).scalars():
+        tok.revoked = True
+    _cache.clear()
+
+
+async def subtask_has_token(session: AsyncSession, subtask: str) -> bool:
+    return (await session.execute(select(Token.id).where(Token.subtask == subtask).limit(1))).first() is not None
 
 
 # One message for any token the server will not take (unknown, wrong secret, revoked, expired, its account

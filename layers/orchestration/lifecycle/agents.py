@@ -20,7 +20,7 @@ from cpn.core.phases import SUBTASK_DONE, SubtaskPhase
 from cpn.core.principal import Principal, Role
 from cpn.runtime.contract import AttemptSpec, CodeRef, DataRef, Endpoint, Integer
 from layers.orchestration.identity.models import Account
-from layers.orchestration.identity.tokens import issue_token
+from layers.orchestration.identity.tokens import issue_token, revoke_subtask_tokens, subtask_has_token
 from layers.orchestration.jobs.data import data_ref
 from layers.orchestration.lifecycle.models import LogRow, SubtaskRow
 from layers.orchestration.lifecycle.plan import elastic
@@ -130,12 +130,20 @@ async def _rendezvous(s: AsyncSession, t: SubtaskRow) -> dict[str, Any] | None:
 
 
 async def claim(s: AsyncSession, principal: Principal, uid: str, body: ClaimRequest) -> AttemptSpec:
-    """Idempotent: the first claim moves the sub-task to Launching; any later one (a restarted agent)
-    returns the contract again, with a fresh worker token."""
+    """The first claim moves the sub-task to Launching and mints its workers' one token (valid for this
+    sub-task's attempt, site and ranks only). A claim once that token exists is refused (409): the
+    server keeps only the token's hash, so it cannot hand it out again, and a fresh token on every
+    claim let any holder of the provider's token collect tokens (issue 35, C1/M1). A restarted agent
+    re-adopts the runs it launched; one that died between claim and launch leaves the sub-task to the
+    claim timeout, which fails it as the site's fault (credited) and re-places the attempt."""
     t = await _load(s, principal, uid, lock=True)
     if t.desired != "Run" or t.phase in DONE:
         raise errors.Conflict(f"sub-task {t.name} (attempt {t.attempt}) is {t.phase}, desired {t.desired}: "
                               "nothing to run", field="desired")
+    if t.claimed_at is not None and await subtask_has_token(s, t.id):
+        raise errors.Conflict(f"sub-task {t.name} (attempt {t.attempt}) was claimed at {t.claimed_at.isoformat()}; "
+                              "a sub-task is claimed once (its worker token is minted once): an agent that lost "
+                              "its run lets the claim timeout re-place it", field="claimedAt")
     job = await find_job(s, t.job)
     if job is None:
         raise errors.NotFound(f"TrainingJob {t.job!r} not found")
@@ -152,8 +160,33 @@ async def claim(s: AsyncSession, principal: Principal, uid: str, body: ClaimRequ
         t.phase, t.launches, t.claimed_at = "Launching", t.launches + 1, datetime.now(UTC)
         t.launched_at = t.claimed_at
     owner = (await s.execute(select(Account).where(Account.id == job.owner_id))).scalar_one()
-    token = await issue_token(s, owner, f"worker-{display_name(job.name)}-{t.attempt}"[:63], job=job.name)
+    token = await issue_token(s, owner, f"worker-{display_name(job.name)}-{t.attempt}"[:63], job=job.name,
+                              subtask=t.id)
     return contract(job, t, rendezvous, token, data=await data_ref(s, job, t.site))
+
+
+async def check_worker(s: AsyncSession, principal: Principal, job: JobRow, reports: list[dict[str, Any]]) -> None:
+    """A worker token speaks for its own sub-task only: the job's current attempt, while the sub-task
+    runs, and its own site and ranks (issue 35, M1: a token of attempt 1 posted usage into attempt 2;
+    issue 36, item 2: a Lost sub-task's workers went on billing). Tokens minted before sub-task
+    binding (no `subtask`) keep their job-wide scope until the job ends."""
+    if principal.role is not Role.WORKER or principal.subtask is None:
+        return
+    t = (await s.execute(select(SubtaskRow).where(SubtaskRow.id == principal.subtask))).scalar_one_or_none()
+    attempt = int(job.status.get("attempt", 1))
+    if t is None or t.job != job.name or t.attempt != attempt:
+        raise errors.Forbidden(f"this worker token belongs to attempt {t.attempt if t else '?'} of the job, "
+                               f"not to its current attempt {attempt}")
+    if t.phase in DONE:
+        raise errors.Forbidden(f"sub-task {t.name} is {t.phase}: its workers' reports are no longer taken")
+    ranks = range(t.first_rank, t.first_rank + t.gpus)
+    for i, report in enumerate(reports):
+        if report.get("site") != t.site_index:
+            raise errors.Forbidden(f"reports[{i}].site is {report.get('site')!r}: this worker token reports for "
+                                   f"site {t.site_index} ({t.site}) only", field=f"reports[{i}].site")
+        if report.get("rank") not in ranks:
+            raise errors.Forbidden(f"reports[{i}].rank is {report.get('rank')!r}: this worker token reports for "
+                                   f"ranks {t.first_rank}..{ranks[-1]} only", field=f"reports[{i}].rank")
 
 
 def contract(job: JobRow, t: SubtaskRow, rendezvous: dict[str, Any] | None, token: str | None,
@@ -180,6 +213,7 @@ async def report(s: AsyncSession, principal: Principal, uid: str, body: SubtaskR
     t.reported_at = datetime.now(UTC)
     if t.desired == "Stop" and body.phase in DONE and t.phase not in DONE:  # a confirmed stop needs no reconciling
         t.phase, t.finished_at = body.phase, t.reported_at
+        await revoke_subtask_tokens(s, t.id)
     return t
 
 

@@ -7,15 +7,17 @@ import math
 import re
 from collections import defaultdict
 from datetime import UTC, datetime
-from decimal import Decimal
+from decimal import ROUND_FLOOR, Decimal
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from cpn.core import errors
 from cpn.core.db import as_utc
-from cpn.core.phases import SUBTASK_FAILED, JobPhase
+from cpn.core.phases import NEVER_STARTED, SUBTASK_FAILED, JobPhase
 from layers.control.capacity import offer_cluster
+from layers.orchestration.events import record_event
 from layers.orchestration.lifecycle.agents import MAX_RANK
 from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.resource.models import ClusterRow, SiteRow
@@ -84,6 +86,52 @@ def user_metrics(report: dict[str, Any], limit: int = 32) -> dict[str, float | N
     return out or None
 
 
+# A report's figures the server counts or bills: numbers, finite, never negative (a loss may be negative
+# in the user's own code, never NaN). JSON as Python parses it accepts NaN and Infinity; one NaN kept in
+# the job's meter broke every later report and the job's cancel (issue 35, H4).
+COUNTS = ("rank", "site", "step", "tokens", "jobTokens")
+METERED = ("gpuSeconds", "wallSeconds", "wanBytes", "intraBytes", "tokensPerSecond", "computeSeconds",
+           "commSeconds", "waitSeconds")
+LOSSES = ("trainLoss", "valLoss")
+
+
+def check_reports(reports: list[dict[str, Any]]) -> None:
+    """Refuse a batch carrying a figure no worker sends, naming it (``reports[3].gpuSeconds``)."""
+    for i, report in enumerate(reports):
+        for key in (*COUNTS, *METERED, *LOSSES):
+            value = report.get(key)
+            if value is None:
+                continue
+            where = f"reports[{i}].{key}"
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise errors.InvalidInput(f"{where} must be a number, got {type(value).__name__}", field=where)
+            if not math.isfinite(value):
+                raise errors.InvalidInput(f"{where} must be a finite number, got {value!r}: drop the report or "
+                                          "send null for a figure you do not have", field=where)
+            if value < 0 and key not in LOSSES:
+                raise errors.InvalidInput(f"{where} must not be negative, got {value!r}", field=where)
+
+
+def _finite(report: dict[str, Any]) -> bool:
+    return all(not isinstance(v, float) or math.isfinite(v) for k, v in report.items() if k in (*COUNTS, *METERED))
+
+
+def observed_seconds(t: SubtaskRow, now: datetime) -> float:
+    """How long the server saw sub-task ``t`` hold its GPUs: from its claim (its launch) to its end as
+    the server recorded it, or to ``now`` while it runs. No rank of it is billed past that, whatever its
+    reports say (issue 35, C1: a forged 360,000,000 gpuSeconds billed 100,000 USD)."""
+    start = t.launched_at or t.claimed_at
+    if start is None:
+        return 0.0
+    end = as_utc(t.finished_at) if t.finished_at else now
+    return max(0.0, (end - as_utc(start)).total_seconds())
+
+
+def subtask_of(subtasks: list[SubtaskRow], rank: int, site: int) -> SubtaskRow | None:
+    """The sub-task that holds global ``rank`` at topology site ``site`` (None: no worker of the attempt)."""
+    return next((t for t in subtasks if t.site_index == site and t.first_rank <= rank < t.first_rank + t.gpus), None)
+
+
 def held_seconds(report: dict[str, Any]) -> float:
     """What a rank's GPU is billed for: the wall time the rank has held it, from binding the device
     (``gpuSeconds``: start-up included, since a leased GPU is paid for while it is held, busy or not).
@@ -99,9 +147,8 @@ async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | Non
     """Store reports, advance the meter, update progress. Returns how many reports were taken."""
     now = now or datetime.now(UTC)
     attempt = int(job.status.get("attempt", 1))
-    subtasks = (await session.execute(select(SubtaskRow).where(SubtaskRow.job == job.name,
-                                                               SubtaskRow.attempt == attempt))).scalars().all()
-    cluster_of_site = {s.site_index: s.cluster for s in subtasks}
+    subtasks = list((await session.execute(select(SubtaskRow).where(SubtaskRow.job == job.name,
+                                                                    SubtaskRow.attempt == attempt))).scalars())
     meter = dict(job.status.get("meter", {}))
     gpu_delta: dict[str, float] = defaultdict(float)
     wan_delta: dict[str, float] = defaultdict(float)
@@ -112,8 +159,10 @@ async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | Non
         try:
             rank, site = int(r["rank"]), int(r["site"])
             step, tokens = int(r.get("step", 0)), int(r.get("jobTokens") or r.get("tokens") or 0)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             continue
+        if not _finite(r):
+            continue  # a direct caller's NaN (the API refuses it, check_reports): never into the meter
         if not (0 <= rank <= MAX_RANK and 0 <= site <= MAX_RANK and 0 <= step < 2**63 and 0 <= tokens < 2**63):
             continue  # not a report any worker sends: skipped like a malformed one, never a database error
         taken += 1
@@ -124,8 +173,11 @@ async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | Non
                               wan_bytes=float(r.get("wanBytes") or 0.0), extra=user_metrics(r), at=now))
         key = f"{attempt}:{rank}"
         prev = meter.get(key, {"gpu": 0.0, "wan": 0.0})
-        gpu_now, wan_now = held_seconds(r), float(r.get("wanBytes") or 0.0)
-        cluster = cluster_of_site.get(site)
+        owner = subtask_of(subtasks, rank, site)
+        # billed no further than the server saw the rank's sub-task hold its GPU (one GPU a rank)
+        gpu_now = min(held_seconds(r), observed_seconds(owner, now)) if owner is not None else 0.0
+        wan_now = float(r.get("wanBytes") or 0.0)
+        cluster = owner.cluster if owner is not None else None
         if cluster is not None:
             dg, dw = max(0.0, gpu_now - prev["gpu"]), max(0.0, wan_now - prev["wan"])
             gpu_delta[cluster] += dg
@@ -146,20 +198,81 @@ async def _post(session: AsyncSession, job: JobRow, contract: ContractRow, gpu: 
     gpu_price, egress_price = _unit_prices(job)
     sellers = await _sellers(session, set(gpu) | set(wan))
     billed = dict(job.status.get("billed", {}))
+    room = _Room(ceiling(job, contract) - await charged(session, job))  # what may still be charged
     posted: list[LedgerEntry] = []
     for item, usage, prices, unit in (("gpu-hours", gpu, gpu_price, Decimal(3600)),
                                       ("egress", wan, egress_price, Decimal(10**9))):
         for cluster, raw in usage.items():
             if raw > 0 and cluster in prices and cluster in sellers:
-                entry = _charge(session, contract, billed, sellers[cluster], cluster, item,
-                                Decimal(repr(raw)) / unit, prices[cluster])
-                posted.extend([entry] if entry is not None else [])
+                quantity = room.cut(Decimal(repr(raw)) / unit, prices[cluster])
+                entry = _charge(session, contract, billed, sellers[cluster], cluster, item, quantity, prices[cluster])
+                posted.extend(room.took(entry))
     for cluster, (gb, unit) in _data_copies(job).items():  # once, when the site's workers first ran
         if gpu.get(cluster, 0) > 0 and cluster in sellers and f"data-transfer|{cluster}|{unit}" not in billed:
-            entry = _charge(session, contract, billed, sellers[cluster], cluster, "data-transfer", gb, unit)
-            posted.extend([entry] if entry is not None else [])
+            entry = _charge(session, contract, billed, sellers[cluster], cluster, "data-transfer",
+                            room.cut(gb, unit), unit)
+            posted.extend(room.took(entry))
+    if room.capped and CAPPED not in billed:
+        billed[CAPPED] = str(ceiling(job, contract))  # the event once
+        await record_event(session, job.name, "Warning", "ChargesCapped", (
+            f"charges reached {ceiling(job, contract)} {contract.currency}, " + _ceiling_text(job, contract)
+            + ": usage past it is not billed"))
     update_status(job, billed=billed)
     return posted
+
+
+CAPPED = "capped"  # in status.billed: the ceiling the charges reached (see ceiling)
+
+# How far a job's charges may go past its accepted quote without the user's consent: 25 % of it, and
+# at least QUOTE_TOLERANCE_FLOOR (in the quote's currency: a short job's quote rounds to 0.00, and its
+# start-up alone costs cents). Run times vary with the sites' load; the compute model's own error is
+# smaller. The user consents to more by setting spec.budget: a job with a budget is charged up to it
+# and never past it.
+QUOTE_TOLERANCE = Decimal("0.25")
+QUOTE_TOLERANCE_FLOOR = Decimal("0.50")
+
+
+def ceiling(job: JobRow, contract: ContractRow) -> Decimal:
+    """The most a job is ever charged: its budget when the user set one, else its accepted quote plus
+    QUOTE_TOLERANCE (at least QUOTE_TOLERANCE_FLOOR)."""
+    budget = (job.spec or {}).get("budget")
+    if budget is not None:
+        return Decimal(str(budget))
+    quoted = Decimal(contract.quoted_total)
+    return billing.micro(quoted + max(quoted * QUOTE_TOLERANCE, QUOTE_TOLERANCE_FLOOR))
+
+
+def _ceiling_text(job: JobRow, contract: ContractRow) -> str:
+    if (job.spec or {}).get("budget") is not None:
+        return "the job's spec.budget"
+    return (f"its accepted quote ({billing.to_cent(Decimal(contract.quoted_total))}) plus {QUOTE_TOLERANCE:.0%} "
+            f"(at least {QUOTE_TOLERANCE_FLOOR})")
+
+
+async def charged(session: AsyncSession, job: JobRow) -> Decimal:
+    """The job's net charges so far (credits subtracted), entries not yet flushed included."""
+    total = (await session.execute(select(func.sum(LedgerEntry.amount)).where(LedgerEntry.job == job.name))).scalar()
+    return Decimal(total or 0)
+
+
+class _Room:
+    """The money a job may still be charged (see :func:`ceiling`), spent charge by charge."""
+
+    def __init__(self, left: Decimal):
+        self.left, self.capped = left, False
+
+    def cut(self, quantity: Decimal, unit_price: Decimal) -> Decimal:
+        """``quantity``, or the part of it the room pays for at ``unit_price`` (rounded down)."""
+        if quantity <= 0 or unit_price <= 0 or quantity * unit_price <= self.left:
+            return quantity
+        self.capped = True
+        return max(Decimal(0), (self.left / unit_price - billing.MICRO).quantize(billing.MICRO, rounding=ROUND_FLOOR))
+
+    def took(self, entry: LedgerEntry | None) -> list[LedgerEntry]:
+        if entry is None:
+            return []
+        self.left -= Decimal(entry.amount)
+        return [entry]
 
 
 def _charge(session: AsyncSession, contract: ContractRow, billed: dict[str, str], seller: tuple[str, str],
@@ -190,12 +303,20 @@ def site_lost(job: JobRow, attempt: int) -> bool:
     return any(f["killed"] for f in job.status.get("failedSites", []) if f["attempt"] == attempt)
 
 
+def never_formed(subtasks: list[SubtaskRow]) -> bool:
+    """Whether an attempt's world never met: one of its sub-tasks was never claimed or never launched,
+    so its peers only waited for it (issue 36, item 4). Nothing of such an attempt is charged: not the
+    waiting peers (they end Cancelled), nor the sub-task that never came."""
+    return any(NEVER_STARTED & (t.exit_codes or {}).keys() for t in subtasks)
+
+
 async def settle(session: AsyncSession, job: JobRow, contract: ContractRow | None, now: datetime | None = None
                  ) -> Decimal:
     """A job stopped before the end (cancelled, or failed) pays for the GPU time its workers held: the
     part of each live sub-task's run that no metric report covered yet (reports stop at the end of the
     job) is charged at the agreed price. Sub-tasks that failed in an attempt that lost a site are not:
-    the providers' fault, already credited for lost work (see :func:`site_lost`)."""
+    the providers' fault, already credited for lost work (see :func:`site_lost`); nor any sub-task of
+    an attempt that never formed (see :func:`never_formed`)."""
     if contract is None or not job.status.get("attempt"):
         return Decimal(0)
     now = now or datetime.now(UTC)
@@ -206,8 +327,10 @@ async def settle(session: AsyncSession, job: JobRow, contract: ContractRow | Non
                                                                SubtaskRow.attempt == attempt))).scalars().all()
     usage: dict[str, float] = defaultdict(float)
     providers_fault = site_lost(job, attempt)
+    unformed = never_formed(subtasks)
     for t in subtasks:
-        if t.launched_at is None or (providers_fault and t.phase in SUBTASK_FAILED) or t.cluster not in gpu_price:
+        if t.launched_at is None or unformed or (providers_fault and t.phase in SUBTASK_FAILED) \
+                or t.cluster not in gpu_price:
             continue
         end = as_utc(t.finished_at) if t.finished_at else now
         held = max(0.0, (end - as_utc(t.launched_at)).total_seconds()) * t.gpus

@@ -23,11 +23,11 @@ from cpn.core.settings import Settings
 from layers.control import leases
 from layers.control.capacity import offer_cluster
 from layers.orchestration.events import record_event
-from layers.orchestration.identity.tokens import revoke_job_tokens
+from layers.orchestration.identity.tokens import revoke_job_tokens, revoke_subtask_tokens
 from layers.orchestration.jobs import profile, workflow
 from layers.orchestration.lifecycle import learning, metering
 from layers.orchestration.lifecycle.leader import Leadership
-from layers.orchestration.lifecycle.models import SubtaskRow
+from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.orchestration.lifecycle.plan import (
     attempt_plan,
     budget_note,
@@ -281,6 +281,7 @@ class Reconciler:
                            f"{t.name}{what}: {old} → {state.phase} {state.message}".strip(), subtask=t.name)
         if state.phase in DONE:
             t.finished_at = datetime.now(UTC)
+            await revoke_subtask_tokens(s, t.id)  # nothing it reports after its end (or loss) is taken
         return failed
 
     async def _transition(self, s: AsyncSession, job: JobRow, t: SubtaskRow, state: SubtaskState) -> None:
@@ -297,12 +298,11 @@ class Reconciler:
                 credit = await metering.credit_lost_work(s, job, await contract_of(s, job), t.cluster,
                                                          f"{t.cluster} failed: lost work since the last checkpoint")
             await leases.release(s, job.name, f"sub-task {t.name} failed", cluster=t.cluster)
+            never_formed = bool(NEVER_STARTED & state.exit_codes.keys())  # the world never met: nobody can go on
             await record_event(s, job.name, "Warning", "SiteFailed",
                                f"site {t.site} ({t.cluster}) failed; {credit:.2f} credited for lost work; "
-                               + ("the job continues on the other sites" if elastic(job.status)
-                                  else "the attempt restarts from its latest checkpoint"), subtask=t.name)
+                               + _next_step(job, t, never_formed), subtask=t.name)
             t.desired = "Stop"
-            never_formed = bool(NEVER_STARTED & state.exit_codes.keys())  # the world never met: nobody can go on
             # a synchronous attempt ends here, and any attempt whose rank 0 (the job's store) is gone
             if never_formed or not elastic(job.status) or t.first_rank == 0:
                 await self._stop_subtasks(s, job)
@@ -313,6 +313,9 @@ class Reconciler:
         # weights) among them — a pipeline replica that broke leaves early but cleanly
         rank0 = any(t.first_rank == 0 for t in ok)
         if ok and (len(ok) == len(subtasks) or (elastic(job.status) and rank0)):
+            if (nothing := await _trained_nothing(s, job)) is not None:
+                await self._finish(s, job, "Failed", "NothingTrained", nothing)
+                return
             if (missing := await self._outputs_missing(job)) is not None:
                 await self._finish(s, job, "Failed", "OutputsNotStored", missing)
                 return
@@ -355,6 +358,9 @@ class Reconciler:
                                             lease_ttl=self.cfg.lease_ttl)
         except errors.CPNError as exc:
             await self._finish(s, job, "Failed", "NoFeasiblePlacement", exc.message)
+            return
+        if (dearer := _above_price_cap(job, attempt + 1)) is not None:
+            await self._finish(s, job, "Failed", "PriceCapExceeded", f"attempt {attempt} failed ({cause}); {dearer}")
             return
         before, after = replicas_of(job.status.get("placement") or []), replicas_of(lines)
         fewer = f"; {after} of its {before} pipeline replicas go on (the live sites hold no more)" if (
@@ -430,6 +436,45 @@ def _record_accuracy(job: JobRow) -> None:
     wall = (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
     update_status(job, measured={"wallSeconds": round(wall, 1), "predictedSeconds": round(float(predicted), 1),
                                  "ratio": round(wall / float(predicted), 3) if predicted else None})
+
+
+def _next_step(job: JobRow, t: SubtaskRow, never_formed: bool) -> str:
+    """What a site's failure does to the job, in the event that reports it (issue 36, item 4: it said
+    "the job continues on the other sites" just before the job failed)."""
+    if never_formed:
+        return ("the attempt never formed (its workers never met), so its other sites are stopped and none "
+                "of it is charged; a new placement is tried if one remains")
+    if elastic(job.status) and t.first_rank != 0:
+        return "the job continues on the other sites"
+    return "the attempt restarts from its latest checkpoint if a placement remains"
+
+
+async def _trained_nothing(s: AsyncSession, job: JobRow) -> str | None:
+    """Why a job whose sub-tasks all exited 0 has not succeeded: it never reported a trained token
+    (issue 35, H3: such a job ended Succeeded at 0 % with a 0.00 invoice). None: it trained."""
+    trained = await s.execute(select(MetricRow.id).where(MetricRow.job == job.name, MetricRow.tokens > 0).limit(1))
+    if trained.first() is not None:
+        return None
+    return ("the workers exited 0 but never reported a trained token (no metric report with tokens > 0): "
+            "nothing was trained, so the job has not succeeded; the GPU time it held is charged")
+
+
+def _above_price_cap(job: JobRow, attempt: int) -> str | None:
+    """Why a re-placement may not run: a cluster it priced at more per GPU-hour than the user agreed to
+    (spec.maxPricePerGpuHour, else the accepted quote's dearest GPU-hour). None: within the cap."""
+    cap_text = (job.spec or {}).get("maxPricePerGpuHour")
+    quoted = [Decimal(q["unitPrice"]) for q in job.status.get("quoteLines", []) if q["item"] == "gpu-hours"]
+    if cap_text is None and not quoted:
+        return None
+    cap = Decimal(str(cap_text)) if cap_text is not None else max(quoted)
+    dearer = [q for q in job.status.get("repricedLines", []) if q["item"] == "gpu-hours"
+              and int(q.get("attempt", 0)) == attempt and Decimal(q["unitPrice"]) > cap]
+    if not dearer:
+        return None
+    where = ", ".join(f"{q['cluster']} at {q['unitPrice']}/GPU-h" for q in dearer)
+    source = "spec.maxPricePerGpuHour" if cap_text is not None else "the accepted quote's price"
+    return (f"the only placement left without the failed site(s) costs more per GPU-hour ({where}) than "
+            f"{source} ({cap}): not billed without your consent; set spec.maxPricePerGpuHour to allow it")
 
 
 def _waiting(attempt: int, clusters: list[str]) -> str:

@@ -110,7 +110,7 @@ async def test_a_site_whose_workers_crash_fails_the_job_with_their_cause(api, db
 
 async def test_a_subtask_no_agent_claims_is_re_placed_then_fails_with_the_reason(api, db) -> None:  # type: ignore[no-untyped-def]
     await _world(api)
-    await _accept(api, "never-claimed")
+    await _accept(api, "never-claimed", maxPricePerGpuHour="100")  # may move to a dearer cluster
     await _accept(api, "good")
     reconciler = _reconciler(db, 0)
     for _ in range(4):
