@@ -86,3 +86,12 @@ def test_a_checkpoint_of_two_ranks_per_site_resumes_on_one(tmp_path: Path) -> No
     assert json.loads((ckpt / checkpoint.LATEST).read_text())["step"] == 12
     with pytest.raises(ValueError, match=r"is sharded: resume it with shard='site'"):
         preflight(cfg(resume=str(ckpt)), Topology.uniform(2, 1))
+
+
+def test_bench_memory_names_a_bad_model_before_starting_any_rank() -> None:
+    from click.testing import CliRunner
+
+    from cpn.cli.bench import bench_memory_cmd
+
+    result = CliRunner().invoke(bench_memory_cmd, ["--model", '{"layers": 2}', "--workers", "2"])
+    assert result.exit_code == 2 and "--model: model shape needs 'hidden'" in result.output
