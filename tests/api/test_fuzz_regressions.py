@@ -127,7 +127,7 @@ async def test_a_huge_layer_count_is_refused_before_the_planner_and_nan_weights_
     from tests.api.test_jobs import job, register_world
 
     await register_world(api)
-    shape = {"parameters": 1_000_000_000, "hidden": 2048, "seqLen": 1024}
+    shape = {"hidden": 2048, "heads": 16, "vocab": 256, "seqLen": 1024}  # the built-in model's shape
     r = await api.client.post("/api/v1/jobs", json=job("deep", model={**shape, "layers": 10_000}),
                               headers=api.auth("alice"))
     body = await r.json()
