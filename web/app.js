@@ -11,7 +11,7 @@ const MODELS = ["tiny", "small", "medium", "base", "large", "gpt2-xl", "llama-7b
 const SVG_NS = "http://www.w3.org/2000/svg";
 const WORLD_URL = "/ui/static/world.json";
 
-const session = { me: null, timer: null, route: 0, stale: false, rejected: "", world: null };
+const session = { me: null, timer: null, route: 0, stale: false, rejected: "", world: null, focus: null };
 
 // ---------------------------------------------------------------- DOM helpers
 
@@ -118,7 +118,7 @@ const fmt = {
     const unit = UNITS[l.item] || l.item;
     const qty = Number(l.quantity);
     const each = l.unitPrice !== undefined ? ` × ${l.unitPrice} ${currency}/${unit}` : "";
-    return `${qty < 0.01 ? qty.toPrecision(2) : fmt.num(qty, 4)} ${unit}${each} = ${Number(l.amount).toFixed(2)} ${currency}`;
+    return `${qty < 0.01 ? qty.toPrecision(2) : fmt.num(qty, 4)} ${unit}${each} = ${l.amount} ${currency}`;
   },
 };
 
@@ -168,7 +168,9 @@ const API = {
   quotes: (name) => api(`/api/v1/jobs/${enc(name)}/quotes`),
   accept: (name, quote) => api(`/api/v1/jobs/${enc(name)}/accept`, { method: "POST", body: { quote } }),
   cancel: (name) => api(`/api/v1/jobs/${enc(name)}/cancel`, { method: "POST", body: {} }),
-  metrics: (name) => api(`/api/v1/jobs/${enc(name)}/metrics`),
+  /** The run downsampled to `maxPoints` (min/mean/max per step range, the newest step exact) and its
+   * totals; with a cursor (`sinceAttempt`, `sinceStep`) only the ranges from the one holding it on. */
+  metrics: (name, query) => api(`/api/v1/jobs/${enc(name)}/metrics?${new URLSearchParams(query)}`),
   subtasks: (name) => api(`/api/v1/jobs/${enc(name)}/subtasks`),
   events: (name) => api(`/api/v1/events?job=${enc(name)}`),
   providerSubtasks: () => api("/api/v1/subtasks"),
@@ -223,32 +225,70 @@ function stopPolling() {
   session.timer = null;
 }
 
-/** Run `tick` now and every `ms` while the route that started it is still showing. */
+const RETRY_MAX_MS = 60000;
+
+/** Run `tick` now and every `ms` while the route that started it is still showing. A refresh that
+ * fails is retried after 2×, 4×, … the period (at most a minute), and the banner says when. Focus
+ * stays on the element that had it: a refresh rebuilds the page, so it moves to its new twin. */
 function poll(ms, tick) {
   const route = session.route;
+  let failures = 0;
   const loop = async () => {
     if (route !== session.route) return;
     let again = true;
+    let wait = ms;
     try {
       again = (await tick()) !== false;
       if (session.stale) flash("");
       session.stale = false;
+      failures = 0;
     } catch (err) {
       if (err instanceof ApiError && [401, 403, 404].includes(err.status)) {
         if (err.status !== 401) flash(err.message);
         return;
       }
+      failures += 1;
+      wait = Math.min(RETRY_MAX_MS, ms * 2 ** failures);
       session.stale = true;
-      flash(`Refresh failed (retrying): ${err.message}`);
+      flash(`Refresh failed (retrying in ${fmt.duration(wait / 1000)}): ${err.message}`);
     }
-    if (again && route === session.route) session.timer = setTimeout(loop, ms);
+    if (route === session.route) restoreFocus();
+    if (again && route === session.route) session.timer = setTimeout(loop, wait);
   };
   return loop();
 }
 
+/** Where focus is, in words that survive a re-render: its id, or its path of child positions from
+ * <main>. Recorded on every focus change, so a refresh that removes the focused element can put
+ * focus back on the element now at the same place. */
+function focusKey(node) {
+  const main = document.getElementById("main");
+  if (!node || node === document.body || node === main || !main.contains(node)) return null;
+  if (node.id) return { id: node.id };
+  const path = [];
+  for (let n = node; n !== main; n = n.parentElement) path.unshift([...n.parentElement.children].indexOf(n));
+  return { path };
+}
+
+function restoreFocus() {
+  const key = session.focus;
+  const active = document.activeElement;
+  if (!key || (active && active !== document.body && active.isConnected)) return;
+  let node = key.id ? document.getElementById(key.id) : document.getElementById("main");
+  for (const i of key.path || []) node = node && node.children[i];
+  const usable = node && node.isConnected && !node.disabled && !node.closest("[hidden]");
+  (usable ? node : document.getElementById("main")).focus({ preventScroll: true });
+}
+
+document.addEventListener("focusin", (ev) => { session.focus = focusKey(ev.target); });
+document.addEventListener("focusout", (ev) => {  // the user left it for nothing (a click on the page): forget it
+  if (!ev.relatedTarget) setTimeout(() => { if (ev.target.isConnected && document.activeElement === document.body) session.focus = null; });
+});
+
 async function route() {
   stopPolling();
   session.route += 1;
+  session.focus = null;
   flash("");
   const main = document.getElementById("main");
   if (!token()) return renderSignIn(main);
@@ -453,7 +493,7 @@ function clustersCard(items, top) {
     return [el("strong", { class: "name" }, c.metadata.name), c.spec.site,
       badge(st.ready === "True" ? "Ready" : "NotReady"),
       `${f ? f.free : (st.allocatable || {}).gpus ?? 0}/${f ? f.capacity : cap}`, st.gpuModel ?? "-",
-      st.price ? `${st.price} ${st.currency || "USD"}` : "-", c.spec.driver ?? "-"];
+      st.price ?? "-", c.spec.driver ?? "-"];
   });
   return section("Clusters", table(["Cluster", "Site", "Status", "Free GPUs", "GPU model", "Price per GPU-h",
     "Driver"], rows, "No clusters registered yet.", "Clusters"));
@@ -781,14 +821,15 @@ async function renderJob(main, name) {
     }
   });
   let quotesShown = false;
+  const run = { width: 0, points: [] };
   await poll(POLL_MS, async () => {
     const [job, metrics, subtasks, events] = await Promise.all([
-      API.job(name), API.metrics(name), API.subtasks(name), API.events(name)]);
+      API.job(name), fetchSeries(name, run), API.subtasks(name), API.events(name)]);
     const st = job.status || {};
     if (phase.textContent !== st.phase) phase.replaceChildren(badge(st.phase));
     cancel.hidden = TERMINAL.has(st.phase);
     parts.failure.replaceChildren(st.phase === "Failed" ? failureBox(st, events.items) : "");
-    parts.summary.replaceChildren(...summaryStats(job));
+    parts.summary.replaceChildren(...summaryStats(job, metrics.totals));
     parts.progress.replaceChildren(progressView(st));
     if (st.phase === "Quoted" && !quotesShown) {
       quotesShown = true;
@@ -797,9 +838,9 @@ async function renderJob(main, name) {
     } else if (st.phase !== "Quoted") {
       parts.quotes.replaceChildren();
     }
-    const series = lossSeries(metrics.items);
+    const series = lossSeries(run.points);
     parts.chart.replaceChildren(lossChart(series, waitingText(st)));
-    parts.speed.replaceChildren(sparkline(series.speed), runFacts(metrics.items));
+    parts.speed.replaceChildren(sparkline(series.speed), runFacts(metrics.totals));
     parts.subtasks.replaceChildren(subtaskTable(subtasks.items, st.placement));
     parts.events.replaceChildren(eventTable(events.items));
     return !TERMINAL.has(st.phase);
@@ -835,12 +876,29 @@ function stat(label, value, extra = "") {
   return el("div", { class: `stat ${extra}`.trim() }, el("span", { class: "label" }, label), el("span", { class: "value" }, value));
 }
 
-function summaryStats(job) {
+function summaryStats(job, totals) {
   const st = job.status || {};
   const prog = st.progress || {};
-  return [stat("Strategy", st.strategy || job.spec.strategy), stat("Sites running", st.sites || "-"),
-    stat("Placement", fmt.placement(st.placement), "wide"), stat(TERMINAL.has(st.phase) ? "Cost" : "Cost so far", fmt.money(st.cost)),
-    stat("Quoted price", fmt.money(st.price)), stat("Val loss", fmt.loss(prog.valLoss))];
+  const ended = TERMINAL.has(st.phase);
+  const sites = new Set((st.placement || []).map((p) => p.site)).size;
+  return [stat("Strategy", st.strategy || job.spec.strategy),
+    ended ? stat("Sites used", sites ? String(sites) : "-") : stat("Sites running", st.sites || "-"),
+    stat("Placement", fmt.placement(st.placement), "wide"), stat(ended ? "Cost" : "Cost so far", fmt.money(st.cost)),
+    stat("Quoted price", fmt.money(st.price)), stat("Val loss", fmt.loss(prog.valLoss)),
+    timeStat(st, totals)];
+}
+
+/** Run time as measured (from launch to the end; while running, the workers' training time so far)
+ * beside the compute model's prediction, as `cpnctl describe` shows it. */
+function timeStat(st, totals) {
+  const measured = st.measured || {};
+  const predicted = measured.predictedSeconds ?? st.predictedSeconds;
+  const final = measured.wallSeconds !== undefined;
+  const took = final ? measured.wallSeconds : totals && totals.wallSeconds ? totals.wallSeconds : null;
+  const text = took === null ? "-" : `${fmt.duration(took)}${final ? "" : " so far"}`;
+  const ratio = measured.ratio ? ` (${fmt.num(measured.ratio, 2)}×)` : "";
+  return stat("Measured vs predicted time", el("span", { id: "run-time" },
+    `${text} · predicted ${predicted ? fmt.duration(predicted) : "-"}${ratio}`), "wide");
 }
 
 /** A job that succeeded has trained its whole budget, whatever the last worker report said. */
@@ -859,31 +917,33 @@ function progressView(st) {
     st.message ? el("p", { class: "muted" }, st.message) : null);
 }
 
-/** Reports come per rank and not all at once; fold them per (attempt, step) into the mean train
- * loss and the job's throughput (mean tokens/s per rank × ranks of that attempt). */
-function lossSeries(items) {
-  const steps = new Map();
-  const ranks = new Map();
-  const val = [];
-  for (const m of items) {
-    if (!ranks.has(m.attempt)) ranks.set(m.attempt, new Set());
-    ranks.get(m.attempt).add(m.rank);
-    if (m.valLoss !== null && m.valLoss !== undefined) val.push([m.tokens, m.valLoss]);
-    if (m.trainLoss === null || m.trainLoss === undefined) continue;
-    const key = `${m.attempt}:${m.step}`;
-    const s = steps.get(key) || { attempt: m.attempt, tokens: 0, loss: 0, n: 0, speed: 0 };
-    s.tokens = Math.max(s.tokens, m.tokens);
-    s.loss += m.trainLoss;
-    s.n += 1;
-    s.speed += m.tokensPerSecond || 0;
-    steps.set(key, s);
+const SERIES_POINTS = 400;
+
+/** Only what is new since the last look: the server re-sends the step range holding the cursor and
+ * every later one, which replace the tail of what the page has; when the ranges widened (the run
+ * grew past the point budget) the whole run comes again, still at most SERIES_POINTS points. */
+async function fetchSeries(name, run) {
+  const last = run.points.at(-1);
+  const query = { maxPoints: SERIES_POINTS, maxReports: 0 };
+  let answer = await API.metrics(name, last ? { ...query, sinceAttempt: last.attempt, sinceStep: last.stepTo } : query);
+  const whole = !last || answer.series.width !== run.width;
+  if (last && whole) answer = await API.metrics(name, query);
+  const fresh = answer.series.points;
+  if (whole) {
+    run.points = fresh;
+  } else if (fresh.length) {
+    const [a, s] = [fresh[0].attempt, fresh[0].stepFrom];
+    run.points = [...run.points.filter((p) => p.attempt < a || (p.attempt === a && p.stepTo < s)), ...fresh];
   }
-  const rows = [...steps.values()].sort((a, b) => a.tokens - b.tokens);
-  return {
-    train: rows.map((s) => [s.tokens, s.loss / s.n]),
-    val: val.sort((a, b) => a[0] - b[0]),
-    speed: rows.map((s) => [s.tokens, (s.speed / s.n) * ranks.get(s.attempt).size]),
-  };
+  run.width = answer.series.width;
+  return answer;
+}
+
+/** The chart's lines from the server's ranges: each range's mean (its min and max are in the data
+ * for a band), at the range's last cumulative token count; tokens/s is the job's. */
+function lossSeries(points) {
+  const at = (key) => points.filter((p) => p[key]).map((p) => [p.tokens, p[key].mean]).sort((a, b) => a[0] - b[0]);
+  return { train: at("trainLoss"), val: at("valLoss"), speed: at("tokensPerSecond") };
 }
 
 function ticks(lo, hi, count) {
@@ -953,27 +1013,23 @@ function sparkline(points) {
     el("figcaption", {}, `latest ${fmt.si(last)} tokens/s · peak ${fmt.si(yMax)}`));
 }
 
-/** Wall time and WAN bytes are cumulative per rank within an attempt; report the latest attempt. */
-function runFacts(items) {
-  const attempt = Math.max(0, ...items.map((m) => m.attempt));
-  const latest = items.filter((m) => m.attempt === attempt);
-  const wan = new Map();
-  for (const m of latest) wan.set(m.rank, Math.max(wan.get(m.rank) || 0, m.wanBytes || 0));
-  const wall = Math.max(0, ...latest.map((m) => m.wallSeconds || 0));
-  const total = [...wan.values()].reduce((a, b) => a + b, 0);
+/** The run's totals as the server read them from the newest cumulative reports (never a window). */
+function runFacts(totals) {
   return el("dl", { class: "facts" },
-    el("dt", {}, "Workers reporting"), el("dd", {}, String(wan.size)),
-    el("dt", {}, "Attempt"), el("dd", {}, attempt ? String(attempt) : "-"),
-    el("dt", {}, "Training time"), el("dd", {}, fmt.duration(wall)),
-    el("dt", {}, "WAN traffic"), el("dd", {}, fmt.bytes(total)));
+    el("dt", {}, "Workers reporting"), el("dd", { id: "fact-workers" }, String(totals.workers || 0)),
+    el("dt", {}, "Attempt"), el("dd", {}, totals.attempt ? String(totals.attempt) : "-"),
+    el("dt", {}, "Step"), el("dd", { id: "fact-step" }, totals.step === null ? "-" : String(totals.step)),
+    el("dt", {}, "Tokens"), el("dd", { id: "fact-tokens" }, fmt.num(totals.tokens)),
+    el("dt", {}, "Training time"), el("dd", {}, fmt.duration(totals.wallSeconds)),
+    el("dt", {}, "WAN traffic"), el("dd", { id: "fact-wan" }, fmt.bytes(totals.wanBytes || 0)));
 }
-
 
 function subtaskTable(items, placement) {
   const gpuModel = new Map((placement || []).map((p) => [p.cluster, p.gpuModel]));
   return table(["Site", "Cluster", "GPUs", "Attempt", "Phase", "Launches", "Message"],
-    items.map((t) => [el("strong", {}, t.site), t.cluster, `${t.gpus}× ${gpuModel.get(t.cluster) || ""}`.trim(),
-      t.attempt, badge(t.phase), t.launches, t.message || ""]),
+    items.map(({ spec = {}, status = {} }) => [el("strong", {}, spec.site ?? "-"), spec.cluster ?? "-",
+      `${spec.gpus ?? "-"}× ${gpuModel.get(spec.cluster) || ""}`.trim(), spec.attempt ?? "-", badge(status.phase),
+      status.launches ?? 0, status.message || ""]),
     "No sub-tasks yet: they start once a quote is accepted.", "Sub-tasks per site");
 }
 
@@ -1003,16 +1059,37 @@ async function renderBilling(main) {
         return section(`${jobName(inv.spec.job)} — ${Number(inv.status.total).toFixed(2)} ${cur}`,
           el("p", { class: "muted" }, provider ? null : el("a", { href: `#/jobs/${enc(inv.spec.job)}` }, `Open job ${jobName(inv.spec.job)}`),
             ` contract ${inv.spec.contract || "-"}`),
+          invoiceSums(inv.status, cur, provider),
           table(["Provider", "Cluster", "Item", "Quantity", "Unit price", "Amount"],
             inv.status.lines.map((l) => [l.provider, l.cluster, l.item, `${l.quantity} ${UNITS[l.item] || ""}`.trim(),
-              `${l.unitPrice} ${cur}/${UNITS[l.item] || "unit"}`, `${Number(l.amount).toFixed(2)} ${cur}`]),
+              `${l.unitPrice} ${cur}/${UNITS[l.item] || "unit"}`, el("span", { class: "amount" }, `${l.amount} ${cur}`)]),
             "No lines.", `Lines of ${jobName(inv.spec.job)}`));
       }));
   });
 }
 
+const CONTRACT_WORDS = { active: "running: this invoice grows until the job ends", completed: "final (job succeeded)",
+  failed: "final (job failed)", cancelled: "final (job cancelled)" };
+
+/** The invoice's exact figures (lines to 6 places add up to the subtotal; the total is rounded once,
+ * to the cent) beside the quote the user accepted, and whether the invoice is still growing. */
+function invoiceSums(st, cur, provider) {
+  const state = st.contractState;
+  return el("dl", { class: "facts invoice-sums" },
+    el("dt", {}, "Subtotal (exact)"), el("dd", { class: "subtotal" }, `${st.subtotal} ${cur}`),
+    el("dt", {}, "Credits"), el("dd", {}, `${st.credits} ${cur}`),
+    el("dt", {}, "Total (to the cent)"), el("dd", {}, `${st.total} ${cur}`),
+    provider ? null : el("dt", {}, "Quoted"),
+    provider ? null : el("dd", { class: "quoted" }, st.quotedTotal ? `${st.quotedTotal} ${cur}` : "-"),
+    el("dt", {}, "State"), el("dd", { class: "state" }, CONTRACT_WORDS[state] || state || "-"));
+}
+
 // ---------------------------------------------------------------- boot
 
 window.addEventListener("hashchange", route);
+document.querySelector("a.skip").addEventListener("click", (ev) => {  // #main is a landmark, not a page
+  ev.preventDefault();
+  document.getElementById("main").focus();
+});
 document.getElementById("signout").addEventListener("click", () => signOut("Signed out."));
 route();

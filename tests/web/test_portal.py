@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -435,3 +436,143 @@ def test_a_job_that_cannot_run_fails_alone_with_its_reason_while_a_good_one_runs
         expect(row("poison")).to_contain_text("Failed")
         expect(row("good-run")).to_contain_text("Succeeded")
         assert axe_problems(page) == []  # a failed job in the list reads as well as a good one
+
+
+# ---------------------------------------------------------------- issue 32: long jobs, focus, exact sums
+
+LONG_STEPS = 100_000
+
+
+async def _long_run_rows(db_url: str, name: str, steps: range) -> None:
+    """One rank's reports for `steps`, straight into the table (as the metering stores them)."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import insert, select
+
+    from cpn.core.db import new_uid
+    from layers.orchestration.lifecycle.models import MetricRow
+    from layers.service.models import JobRow
+
+    db = Database(db_url)
+    try:
+        async with db.session() as s:
+            key = (await s.execute(select(JobRow.name).where(JobRow.name.like(f"%/{name}")))).scalar_one()
+            now = datetime.now(UTC)
+            rows = [{"id": new_uid(), "job": key, "attempt": 1, "rank": 0, "site": 0, "step": i, "tokens": 1024 * i,
+                     "train_loss": 6.0 - i / LONG_STEPS, "val_loss": 5.0 - i / LONG_STEPS if i % 5000 == 0 else None,
+                     "tokens_per_second": 900.0, "wall_seconds": 0.01 * i, "wan_bytes": 10.0 * i, "extra": None,
+                     "at": now, "created_at": now, "updated_at": now, "resource_version": 1} for i in steps]
+            for i in range(0, len(rows), 20_000):
+                await s.execute(insert(MetricRow), rows[i:i + 20_000])
+    finally:
+        await db.dispose()
+
+
+def insert_long_run(db_url: str, name: str, steps: range) -> None:
+    """On a thread of its own: the sync Playwright API keeps an event loop running on this one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, _long_run_rows(db_url, name, steps)).result()
+
+
+def _focused(page: Page) -> str:
+    return page.evaluate("document.activeElement.getAttribute('aria-label') || document.activeElement.tagName")
+
+
+@needs_browser
+@pytest.mark.slow
+def test_a_100k_step_job_stays_current_and_keyboard_focus_stays_put(portal_world: tuple[LiveServer, str],
+                                                                    db_url: str) -> None:
+    """A job with 100,000 steps of metrics: the chart ends at the newest step with the API's numbers,
+    and follows new reports; ten refreshes leave focus where it was; the skip link focuses the
+    content without leaving the page; a failing refresh backs off (4 s, then 8 s)."""
+    from playwright.sync_api import expect
+
+    server, user = portal_world
+    manifest = {"apiVersion": "cpn/v1", "kind": "TrainingJob", "metadata": {"name": "long-run"},
+                "spec": {"model": "tiny", "tokens": 1024 * (LONG_STEPS + 100), "strategy": "ddp",
+                         "gpus": {"min": 1, "max": 1}, "sites": {"min": 1, "max": 1}}}
+    resp = httpx.post(f"{server.url}/api/v1/jobs", json=manifest, headers={"Authorization": f"Bearer {user}"},
+                      timeout=60)
+    assert resp.status_code in (200, 201, 202), resp.text
+    insert_long_run(db_url, "long-run", range(1, LONG_STEPS + 1))
+    api = api_get(server, user, "/api/v1/jobs/long-run/metrics?maxPoints=400&maxReports=0").json()
+    assert api["totals"]["step"] == LONG_STEPS and api["series"]["points"][-1]["stepTo"] == LONG_STEPS
+    with signed_in(server, user) as page:
+        page.goto(f"{server.url}/ui#/jobs/long-run")
+        chart = page.locator("svg#loss-chart")
+        expect(chart).to_have_attribute("aria-label", re.compile(rf"^Loss curve: {len(api['series']['points'])} train"))
+        expect(page.locator("#fact-step")).to_have_text(str(LONG_STEPS))
+        expect(page.locator("#fact-tokens")).to_have_text(f"{api['totals']['tokens']:,}")
+        expect(page.locator("#fact-wan")).to_have_text(f"{api['totals']['wanBytes'] / 1e6:.1f} MB")
+        last = api["series"]["points"][-1]["trainLoss"]["mean"]
+        expect(page.locator(".legend .key.train")).to_have_text(f"train loss {last:.3f}")
+
+        # keyboard: the Events table region keeps focus over ten refreshes (each rebuilds it)
+        events = page.get_by_role("region", name="Events")
+        events.focus()
+        refreshes = []
+        page.on("response", lambda r: refreshes.append(r.url) if "/metrics?" in r.url else None)
+        while len(refreshes) < 10:
+            page.wait_for_timeout(500)
+            assert _focused(page) == "Events", f"focus left the Events table after {len(refreshes)} refreshes"
+
+        # new reports appear without a reload, with only what is new fetched
+        insert_long_run(db_url, "long-run", range(LONG_STEPS + 1, LONG_STEPS + 51))
+        expect(page.locator("#fact-step")).to_have_text(str(LONG_STEPS + 50))
+        assert any("sinceStep=" in url for url in refreshes), refreshes
+        assert _focused(page) == "Events"
+
+        # the skip link focuses <main> and stays on the job's page
+        page.evaluate("document.activeElement.blur()")
+        page.locator("a.skip").focus()
+        page.keyboard.press("Enter")
+        assert page.url.endswith("#/jobs/long-run")
+        assert page.evaluate("document.activeElement.id") == "main"
+        expect(page.get_by_role("heading", name=re.compile("Job long-run"))).to_be_visible()
+
+        # an outage: the banner says when it retries, and waits longer each time
+        page.route("**/api/v1/jobs/long-run/metrics*", lambda route: route.abort())
+        expect(page.locator("#flash")).to_contain_text("retrying in 4 s", timeout=15_000)
+        expect(page.locator("#flash")).to_contain_text("retrying in 8 s", timeout=15_000)
+        page.unroute("**/api/v1/jobs/long-run/metrics*")
+        expect(page.locator("#flash")).to_be_hidden(timeout=30_000)
+
+
+@needs_browser
+@pytest.mark.slow
+def test_a_finished_job_shows_its_sites_times_and_exact_invoice(portal_world: tuple[LiveServer, str]) -> None:
+    """A job run by the agent: its sub-tasks per site filled in (the API nests them under spec/status),
+    ended it says which sites it used (not 'running'), measured beside predicted time; its invoice
+    shows the exact lines and subtotal beside the quoted total; the clusters' price has one unit."""
+    from playwright.sync_api import expect
+
+    server, user = portal_world
+    with signed_in(server, user) as page:
+        expect(page.get_by_role("cell", name=re.compile(r"^\d+(\.\d+)? USD/GPU-h$")).first).to_be_visible()
+        assert "USD/GPU-h USD" not in page.locator("body").inner_text()
+        submit_and_accept(page, "exact-run")
+        row = page.get_by_role("region", name="Sub-tasks per site").get_by_role("row").nth(1)
+        expect(row).to_contain_text("fra-1")
+        expect(row).to_contain_text("fra-cpu")
+        expect(row).to_contain_text(re.compile(r"1× "))
+        assert "undefined" not in row.inner_text()
+        expect(page.locator("#phase .badge")).to_have_text("Succeeded", timeout=300_000)
+        job = api_get(server, user, "/api/v1/jobs/exact-run").json()
+        expect(page.locator(".stat", has_text="Sites used")).to_contain_text("1")
+        expect(page.locator(".stat", has_text="Sites running")).to_have_count(0)
+        measured = job["status"]["measured"]
+        expect(page.locator("#run-time")).to_contain_text(re.compile(r"· predicted \d"))
+        expect(page.locator("#run-time")).to_contain_text(f"({measured['ratio']:.2f}×)")
+
+        page.get_by_role("link", name="Invoices").click()
+        (invoice,) = api_get(server, user, "/api/v1/invoices?job=exact-run").json()["items"]
+        card = page.locator("section.card", has_text="exact-run")
+        expect(card.locator("dd.subtotal")).to_have_text(f"{invoice['status']['subtotal']} USD")
+        expect(card.locator("dd.quoted")).to_have_text(f"{invoice['status']['quotedTotal']} USD")
+        expect(card.locator("dd.state")).to_contain_text("final")
+        amounts = [a.strip() for a in card.locator("td .amount").all_inner_texts()]
+        assert amounts == [f"{line['amount']} USD" for line in invoice["status"]["lines"]], amounts
+        assert sum(Decimal(a.split()[0]) for a in amounts) == Decimal(invoice["status"]["subtotal"])
+        assert axe_problems(page) == []
