@@ -46,3 +46,27 @@ async def test_unknown_revoked_expired_and_malformed_tokens_read_alike(api, db) 
         assert r.status == 401, token
         messages.add((await r.json())["error"]["message"])
     assert messages == {UNUSABLE}
+
+
+async def test_calibrations_show_only_the_callers_own_workloads(api, db) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import select
+
+    from layers.orchestration.identity.models import Account
+    from layers.orchestration.lifecycle.models import CalibrationRow
+    from layers.service.models import JobRow
+
+    digest = "sha256:" + "ab" * 32
+    async with db.session() as s:
+        alice = (await s.execute(select(Account.id).where(Account.name == "alice"))).scalar_one()
+        s.add(JobRow(name="alice/mine", owner_id=alice, spec={"code": {"digest": digest}}, labels={}, status={}))
+        for workload in ("lm", "code:" + "ab" * 8, "code:" + "cd" * 8):
+            s.add(CalibrationRow(gpu_model="H100", strategy="ddp", workload=workload, provider="", step_factor=1.0,
+                                 startup_seconds=1.0, samples=1, evidence=1.0))
+    seen = {}
+    for who in ("alice", "bob", "admin"):
+        r = await api.client.get("/api/v1/calibrations", headers=api.auth(who))
+        assert r.status == 200
+        seen[who] = sorted(i["workload"] for i in (await r.json())["items"])
+    assert seen["alice"] == ["code:" + "ab" * 8, "lm"]
+    assert seen["bob"] == ["lm"]
+    assert seen["admin"] == ["code:" + "ab" * 8, "code:" + "cd" * 8, "lm"]

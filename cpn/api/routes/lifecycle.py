@@ -232,8 +232,9 @@ async def top_sites(request: web.Request) -> web.Response:
 
 
 async def get_calibrations(request: web.Request) -> web.Response:
+    principal = principal_of(request)
     async with request.app[state.DB].session() as s:
-        items = await learning.listing(s)
+        items = await learning.listing(s, None if principal.role is Role.ADMIN else principal.account_id)
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 

@@ -235,7 +235,13 @@ def view(row: CalibrationRow) -> dict:
             "provider": row.provider, "evidence": round(row.evidence or 0.0, 3), "lastObserved": row.last_observed}
 
 
-async def listing(session: AsyncSession) -> list[dict]:
-    rows = (await session.execute(select(CalibrationRow).order_by(
-        CalibrationRow.gpu_model, CalibrationRow.strategy, CalibrationRow.workload, CalibrationRow.provider))).scalars()
-    return [view(r) for r in rows]
+async def listing(session: AsyncSession, account_id: str | None = None) -> list[dict]:
+    """Every row for an admin (``account_id`` None); for anyone else the built-in model's rows and those of
+    the code bundles their own jobs ran: another tenant's workload digests are theirs (issue 35, L1)."""
+    stmt = select(CalibrationRow).order_by(
+        CalibrationRow.gpu_model, CalibrationRow.strategy, CalibrationRow.workload, CalibrationRow.provider)
+    if account_id is not None:
+        specs = (await session.execute(select(JobRow.spec).where(JobRow.owner_id == account_id))).scalars()
+        own = {workload_of(((spec or {}).get("code") or {}).get("digest")) for spec in specs} | {"lm"}
+        stmt = stmt.where(CalibrationRow.workload.in_(sorted(own)))
+    return [view(r) for r in (await session.execute(stmt)).scalars()]
