@@ -78,7 +78,8 @@ def test_a_checkpoint_of_two_ranks_per_site_resumes_on_one(tmp_path: Path) -> No
     info = checkpoint.latest(ckpt)
     assert info["step"] == 8 and info["format"] == "dcp" and ".metadata" in info["files"]
     before = next(p["val"] for p in first["val_curve"] if p["step"] == 8)
-    resumed = run_local(cfg(shard="site", resume=str(ckpt), checkpoint_dir=str(ckpt)), Topology.uniform(2, 1),
+    resumed = run_local(cfg(shard="site", resume=str(ckpt), checkpoint_dir=str(ckpt), checkpoint_every=4),
+                        Topology.uniform(2, 1),
                         run_dir=tmp_path / "b", start_method="fork", timeout=240)
     after = resumed["val_curve"][0]
     assert after["step"] == 8 and after["val"] == pytest.approx(before, rel=0.01)
