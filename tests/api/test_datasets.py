@@ -209,6 +209,13 @@ async def test_the_contract_carries_the_sites_replica_or_the_nearest_ones_uri(ap
     assert home["data"] == {"dataset": "here", "uri": "file:///data/ams", "format": "jsonl", "vocab": None}
     away = await _claim(api, db, "away", "prov-b")
     assert away["data"] == {"dataset": "there", "uri": "file:///data/fra", "format": "jsonl", "vocab": None}  # fra-1's
+    resp = await api.client.post("/api/v1/jobs", headers=api.auth("alice"), json=_job("plain", placement={"sites": ["fra-1"]}))
+    assert resp.status == 201, await resp.text()
+    assert (await _claim(api, db, "plain", "prov-a"))["data"] is None  # the built-in corpus: nothing to point at
+
+
+async def test_the_contract_tells_a_site_its_token_datasets_format_and_vocabulary(api, db) -> None:  # type: ignore[no-untyped-def]
+    await _world(api)
     tokens = dataset("toks", 1, {"fra-1": "file:///data/toks.bin"}, format="tokens", vocab=4096)
     assert (await create(api, tokens)).status == 201
     resp = await api.client.post("/api/v1/jobs", headers=api.auth("alice"),
@@ -216,9 +223,6 @@ async def test_the_contract_carries_the_sites_replica_or_the_nearest_ones_uri(ap
     assert resp.status == 201, await resp.text()
     claimed = await _claim(api, db, "on-tokens", "prov-a")
     assert claimed["data"] == {"dataset": "toks", "uri": "file:///data/toks.bin", "format": "tokens", "vocab": 4096}
-    resp = await api.client.post("/api/v1/jobs", headers=api.auth("alice"), json=_job("plain", placement={"sites": ["fra-1"]}))
-    assert resp.status == 201, await resp.text()
-    assert (await _claim(api, db, "plain", "prov-a"))["data"] is None  # the built-in corpus: nothing to point at
 
 
 async def test_the_invoice_carries_the_data_transfer_line_once_when_the_sites_workers_run(api, db) -> None:  # type: ignore[no-untyped-def]
