@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +40,24 @@ def emit(obj: Any, fmt: str, columns: list[dict[str, Any]] | None = None, namesp
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Show at most this many objects in all (the server pages; a note says when more exist).")
 @click.option("--job", default=None, help="Only objects of this job (events, subtasks, reservations).")
+@click.option("-w", "--watch", is_flag=True,
+              help="After listing, print each object again whenever it changes (Ctrl-C stops; watching one "
+                   "job stops when it ends).")
+@click.option("--watch-interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between two looks while watching.")
 @OUTPUT
 @pass_ctx
 def get(obj: Ctx, kind: str, name: str | None, selector: str | None, limit: int | None, job: str | None,
-        fmt: str) -> None:
-    """List objects of KIND, or show one by NAME."""
+        watch: bool, watch_interval: float, fmt: str) -> None:
+    """List objects of KIND, or show one by NAME; -w keeps watching."""
     k = obj.kind(kind)
     path = k["path"]
+    if watch:
+        if "{parent}" in path:
+            raise click.UsageError(f"cannot watch {k['plural']}: get them again (cpnctl get {k['plural']} PARENT)")
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends a watch, as in kubectl
+            _watch(obj, k, name, selector, job, fmt, watch_interval)
+        return
     if "{parent}" in path:
         if not name:
             raise click.UsageError(f"{k['plural']} belong to a parent: cpnctl get {k['plural']} PARENT")
@@ -63,6 +76,46 @@ def get(obj: Ctx, kind: str, name: str | None, selector: str | None, limit: int 
     emit({"apiVersion": "cpn/v1", "kind": "List", "items": items}, fmt, k["columns"], obj.namespace)
     if more:
         click.echo(f"(showing the first {limit}; more exist: raise --limit to see them)", err=True)
+
+
+ENDED = frozenset({"Succeeded", "Failed", "Cancelled"})
+
+
+def _watch(obj: Ctx, k: dict[str, Any], name: str | None, selector: str | None, job: str | None, fmt: str,
+           interval: float) -> None:
+    """kubectl's -w by polling: the listing once, then each object whose row (or, with -o json|yaml,
+    whose document) changed, and a new one as it appears. A single object stops being watched when
+    it is gone or, for a job, when it ended."""
+    shown: dict[str, str] = {}
+    first = True
+    while True:
+        items = [get_one(obj, k, name)] if name else list_all(obj, k["path"], selector=selector, limit=None,
+                                                              job=job)[0]
+        changed = []
+        for item in items:
+            meta = item.get("metadata") or {}
+            key = f"{meta.get('namespace', '')}/{meta.get('name') or meta.get('uid')}"
+            text = output.dump(item, fmt) if fmt in ("json", "yaml") else output.table(
+                [item], k["columns"], wide=fmt == "wide").splitlines()[1]
+            if shown.get(key) != text:
+                shown[key] = text
+                changed.append((item, text))
+        if first and fmt not in ("json", "yaml"):
+            if changed:
+                click.echo(output.table([i for i, _ in changed], k["columns"], wide=fmt == "wide"))
+            else:
+                click.echo("No resources found; watching for new ones.", err=True)
+        else:
+            for _, text in changed:
+                click.echo(text)
+        first = False
+        if name and (item_phase(items[0]) in ENDED):
+            return
+        time.sleep(interval)
+
+
+def item_phase(item: dict[str, Any]) -> str | None:
+    return (item.get("status") or {}).get("phase") if item.get("kind") == "TrainingJob" else None
 
 
 def get_one(obj: Ctx, k: dict[str, Any], name: str) -> dict[str, Any]:
