@@ -177,8 +177,9 @@ def save_sharded(root: Path, step: int, state: dict[str, Any], *, group: dist.Pr
     directory = step_dir(Path(root), step)
     directory.mkdir(parents=True, exist_ok=True)
     dcp.save(state, checkpoint_id=str(directory), process_group=group)
-    if is_rank0:
-        files = sorted(p.name for p in directory.iterdir() if p.is_file())
+    if is_rank0:  # the files this save wrote (a folder left by an abandoned run may hold more)
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+        files = sorted({".metadata", *(item.relative_path for item in metadata.storage_data.values())})
         atomic_write_json({"step": step, "sites": sites, "format": DCP_FORMAT, "files": files}, Path(root) / LATEST)
 
 
