@@ -550,7 +550,7 @@ def test_a_finished_job_shows_its_sites_times_and_exact_invoice(portal_world: tu
 
     server, user = portal_world
     with signed_in(server, user) as page:
-        expect(page.get_by_role("cell", name=re.compile(r"^\d+(\.\d+)? USD/GPU-h$")).first).to_be_visible()
+        expect(page.get_by_role("cell", name=re.compile(r"^\d+(\.\d+)? USD\/GPU-h$")).first).to_be_visible()
         assert "USD/GPU-h USD" not in page.locator("body").inner_text()
         submit_and_accept(page, "exact-run")
         row = page.get_by_role("region", name="Sub-tasks per site").get_by_role("row").nth(1)
