@@ -75,3 +75,20 @@ def test_a_prediction_carries_its_plan_and_pays_for_it() -> None:
     assert pred.comm_seconds_per_step == pytest.approx(roomy.comm_seconds_per_step
                                                        + perf.shard_gather_seconds(req, 4, 600.0))
     assert pred.memory_gb_per_gpu == pytest.approx(perf.worker_memory_gb(req, shard=4, checkpointing=True))
+
+
+def test_the_state_bytes_are_what_cpn_bench_memory_measured() -> None:
+    """docs/benchmarks/memory.json (`cpn bench memory`, 4 CPU ranks): the tensors' storage per rank, whole
+    and sharded over the site, against the planner's 16 B per parameter (÷ W sharded); within 10 %."""
+    import json
+    from pathlib import Path
+
+    runs = json.loads((Path(__file__).parents[3] / "docs/benchmarks/memory.json").read_text())["runs"]
+    checked = 0
+    for run in runs.values():
+        for r in run["results"]:
+            ranks = r["workers"] if r["shard"] == "site" else 1
+            predicted = r["parameters"] * perf.TRAINING_STATE_BYTES / ranks
+            assert abs(r["state_bytes_per_rank"] - predicted) <= 0.10 * predicted, (run["model"], r)
+            checked += 1
+    assert checked >= 4  # two models, shard none and site
