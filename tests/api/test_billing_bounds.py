@@ -11,7 +11,7 @@ from decimal import Decimal
 from sqlalchemy import select
 
 from layers.orchestration.lifecycle import metering
-from layers.orchestration.lifecycle.models import SubtaskRow
+from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.service.models import ContractRow
 from tests.api.billing_helpers import _job_of, claim, events, invoice, post_metrics, report, started
 from tests.layers.orchestration.test_reconciler import _accept, _reconciler, _world
@@ -63,6 +63,14 @@ async def test_nan_infinity_and_negative_figures_are_refused_and_the_job_can_sti
         assert f"reports[1].{field}" in await resp.text(), await resp.text()
     resp = await post_metrics(api, token, "nan", [{"rank": 0, "site": site, "step": 3, "tokens": 3, "gpuSeconds": 5.0}])
     assert resp.status == 200 and (await resp.json())["accepted"] == 1, await resp.text()
+    # a diverged run's loss is no bill's figure: kept as null, so the batch's GPU time is not lost with it
+    resp = await post_metrics(api, token, "nan", [{"rank": 0, "site": site, "step": 4, "tokens": 4,
+                                                   "gpuSeconds": 6.0, "trainLoss": float("nan")}])
+    assert resp.status == 200 and (await resp.json())["accepted"] == 1, await resp.text()
+    async with db.session() as s:
+        losses = (await s.execute(select(MetricRow.train_loss).where(MetricRow.job == "alice/nan",
+                                                                     MetricRow.step == 4))).scalars().all()
+    assert losses == [None], losses
     resp = await api.client.post("/api/v1/jobs/nan/cancel", headers=api.auth("alice"))
     assert resp.status == 200, await resp.text()
     assert (await _job_of(db, "nan")).phase == "Cancelled"

@@ -3,7 +3,7 @@ and the replica URI each site's workers receive in their contract."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from sqlalchemy import select
@@ -236,6 +236,7 @@ async def test_the_invoice_carries_the_data_transfer_line_once_when_the_sites_wo
     async with db.session() as s:
         t = (await s.execute(select(SubtaskRow).where(SubtaskRow.job == "alice/billed"))).scalar_one()
         t.phase = t.reported = "Running"
+        t.launched_at = datetime.now(UTC) - timedelta(seconds=60)  # the 14 s reported fit in what the server saw
         job_row = (await s.execute(select(JobRow).where(JobRow.name == "alice/billed"))).scalar_one()
         job_row.phase = "Running"
         (quoted,) = [x for x in job_row.status["quoteLines"] if x["item"] == "data-transfer"]

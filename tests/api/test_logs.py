@@ -89,7 +89,7 @@ async def test_a_long_log_comes_whole_page_by_page(api, db) -> None:  # type: ig
 
 async def test_earlier_attempts_stay_readable(api, db) -> None:  # type: ignore[no-untyped-def]
     await _world(api)
-    await _accept(api, "retried")
+    await _accept(api, "retried", maxPricePerGpuHour="100")  # may move to a dearer cluster
     reconciler = _reconciler(db, 0)  # no agent claims in time: each pass re-places the job
     await reconciler.reconcile_once()
     (one,) = await _subtasks(db, "retried", 1)
@@ -119,7 +119,7 @@ async def test_follow_from_before_the_first_attempt_through_a_retry_to_the_end(a
     """Started right after accept (no attempt yet), it shows attempt 1, then attempt 2 when the job is
     re-placed, and ends by itself once the job is cancelled and drained."""
     await _world(api)
-    await _accept(api, "followed")
+    await _accept(api, "followed", maxPricePerGpuHour="100")  # may move to a dearer cluster
     resp = await api.client.get("/api/v1/jobs/followed/logs", params={"follow": "1"}, headers=api.auth("alice"))
     assert resp.status == 200
     got: list[str] = []

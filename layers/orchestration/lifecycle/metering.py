@@ -86,9 +86,10 @@ def user_metrics(report: dict[str, Any], limit: int = 32) -> dict[str, float | N
     return out or None
 
 
-# A report's figures the server counts or bills: numbers, finite, never negative (a loss may be negative
-# in the user's own code, never NaN). JSON as Python parses it accepts NaN and Infinity; one NaN kept in
-# the job's meter broke every later report and the job's cancel (issue 35, H4).
+# A report's figures the server counts or bills: numbers, finite, never negative. JSON as Python parses
+# it accepts NaN and Infinity; one NaN kept in the job's meter broke every later report and the job's
+# cancel (issue 35, H4). A loss is no bill's figure: a diverged run's NaN loss is kept as null (refusing
+# it would drop the batch's GPU time with it), and a loss may be negative in the user's own code.
 COUNTS = ("rank", "site", "step", "tokens", "jobTokens")
 METERED = ("gpuSeconds", "wallSeconds", "wanBytes", "intraBytes", "tokensPerSecond", "computeSeconds",
            "commSeconds", "waitSeconds")
@@ -105,11 +106,15 @@ def check_reports(reports: list[dict[str, Any]]) -> None:
             where = f"reports[{i}].{key}"
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise errors.InvalidInput(f"{where} must be a number, got {type(value).__name__}", field=where)
-            if not math.isfinite(value):
+            if not math.isfinite(value) and key not in LOSSES:
                 raise errors.InvalidInput(f"{where} must be a finite number, got {value!r}: drop the report or "
                                           "send null for a figure you do not have", field=where)
             if value < 0 and key not in LOSSES:
                 raise errors.InvalidInput(f"{where} must not be negative, got {value!r}", field=where)
+
+
+def _loss(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
 def _finite(report: dict[str, Any]) -> bool:
@@ -167,7 +172,7 @@ async def ingest(session: AsyncSession, job: JobRow, contract: ContractRow | Non
             continue  # not a report any worker sends: skipped like a malformed one, never a database error
         taken += 1
         session.add(MetricRow(job=job.name, attempt=attempt, rank=rank, site=site, step=step, tokens=tokens,
-                              train_loss=r.get("trainLoss"), val_loss=r.get("valLoss"),
+                              train_loss=_loss(r.get("trainLoss")), val_loss=_loss(r.get("valLoss")),
                               tokens_per_second=float(r.get("tokensPerSecond") or 0.0),
                               wall_seconds=float(r.get("wallSeconds") or 0.0),
                               wan_bytes=float(r.get("wanBytes") or 0.0), extra=user_metrics(r), at=now))
