@@ -226,11 +226,58 @@ def validation_details(exc: Any, prefix: str = "") -> list[dict[str, str]]:
         path = field_path(err["loc"])
         if prefix:
             path = f"{prefix}.{path}" if path and not path.startswith("[") else f"{prefix}{path}"
-        entry = (path, _message(err))
+        entry = (path, _message(err) + (_did_you_mean(exc, err["loc"]) if err["type"] == "extra_forbidden" else ""))
         if entry not in seen:
             seen.add(entry)
             out.append({"field": path, "message": entry[1]})
     return _drop_union_noise(out)
+
+
+def _did_you_mean(exc: Any, loc: tuple[Any, ...]) -> str:
+    """" (did you mean `strategy`?)" when an unknown key is close to a field of the model it was written
+    in (found by walking the error's location down from the validated model's fields)."""
+    import difflib
+
+    model = _model_named(getattr(exc, "title", ""))
+    for part in loc[:-1]:
+        if model is None:
+            return ""
+        if isinstance(part, str):  # a list index or a dict key of a model's value stays in the same model
+            fields = {f.alias or n: f for n, f in model.model_fields.items()} | dict(model.model_fields)
+            field = fields.get(part)
+            model = _model_in(field.annotation) if field is not None else _model_named(part)
+    if model is None or not isinstance(loc[-1], str):
+        return ""
+    names = sorted({f.alias or n for n, f in model.model_fields.items()})
+    close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+def _model_named(name: str) -> Any:
+    from pydantic import BaseModel
+
+    todo = list(BaseModel.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == name:
+            return cls
+        todo.extend(cls.__subclasses__())
+    return None
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model inside an annotation (`X`, `X | None`, `list[X]`, `dict[str, X]`), or None."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _drop_union_noise(details: list[dict[str, str]]) -> list[dict[str, str]]:
