@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     quote_ttl_seconds: float = Field(default=900.0, gt=0)
     lease_ttl_seconds: float = Field(default=3600.0, gt=0)
     rate_limit_per_minute: int = Field(default=6000, gt=0, description="Requests per token per minute.")
+    metrics_public: bool = Field(default=False, description="Serve /metrics without a token (it names clusters "
+                                 "and counts jobs per phase); off: an admin token scrapes it.")
     reconcile: bool = Field(default=True, description="Run the job reconciler inside the API server.")
     reconcile_interval_seconds: float = Field(default=1.0, gt=0)
     claim_timeout_seconds: float = Field(default=120.0, gt=0, description="A sub-task no agent claims within "

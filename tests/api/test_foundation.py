@@ -13,7 +13,7 @@ async def test_healthz_and_metrics(api) -> None:
     resp = await api.client.get("/healthz")
     assert resp.status == 200 and (await resp.json())["status"] == "ok"
     await api.client.get("/api/v1/sites", headers=api.auth("alice"))
-    text = await (await api.client.get("/metrics")).text()
+    text = await (await api.client.get("/metrics", headers=api.auth("admin"))).text()
     assert "cpn_http_requests_total" in text and 'route="/api/v1/sites"' in text
 
 
@@ -133,9 +133,9 @@ async def test_metrics_gauges_are_read_from_the_database_at_each_scrape(api) -> 
     from tests.api.test_resource import apply, cluster, site
 
     assert (await apply(api, "prov-a", [site("fra-1"), cluster("fra-h100", "fra-1", gpus_per_node=8, nodes=2)])).status == 200
-    text = await (await api.client.get("/metrics")).text()
+    text = await (await api.client.get("/metrics", headers=api.auth("admin"))).text()
     assert 'cpn_cluster_gpus{cluster="fra-h100",kind="capacity",site="fra-1"} 16.0' in text, text[-1500:]
     assert "# TYPE cpn_jobs gauge" in text
     assert (await api.client.delete("/api/v1/clusters/fra-h100", headers=api.auth("prov-a"))).status in (200, 204)
-    text = await (await api.client.get("/metrics")).text()
+    text = await (await api.client.get("/metrics", headers=api.auth("admin"))).text()
     assert 'cluster="fra-h100"' not in text

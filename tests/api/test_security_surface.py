@@ -70,3 +70,15 @@ async def test_calibrations_show_only_the_callers_own_workloads(api, db) -> None
     assert seen["alice"] == ["code:" + "ab" * 8, "lm"]
     assert seen["bob"] == ["lm"]
     assert seen["admin"] == ["code:" + "ab" * 8, "code:" + "cd" * 8, "lm"]
+
+
+async def test_metrics_need_an_admin_token_unless_the_server_opts_in(api, aiohttp_client, settings, db) -> None:  # type: ignore[no-untyped-def]
+    from cpn.api.app import create_app
+
+    assert (await api.client.get("/metrics")).status == 401
+    assert (await api.client.get("/metrics", headers=api.auth("alice"))).status == 403
+    assert (await api.client.get("/metrics", headers=api.auth("prov-a"))).status == 403
+    r = await api.client.get("/metrics", headers=api.auth("admin"))
+    assert r.status == 200 and "cpn_http_requests_total" in await r.text()
+    public = await aiohttp_client(create_app(settings.model_copy(update={"metrics_public": True}), db, migrate=False))
+    assert (await public.get("/metrics")).status == 200

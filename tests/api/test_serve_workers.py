@@ -30,7 +30,7 @@ def _alive(pid: int) -> bool:
 
 def test_two_workers_share_the_port_one_leads_and_metrics_count_both(tmp_path: Path) -> None:
     factory = DatabaseFactory(tmp_path / "db", _pg())
-    server = start_server(factory.new(), tmp_path, {"CPN_WORKERS": "2"})
+    server = start_server(factory.new(), tmp_path, {"CPN_WORKERS": "2", "CPN_METRICS_PUBLIC": "true"})
     try:
         workers = worker_pids(server.proc.pid)
         assert len(workers) == 2, workers

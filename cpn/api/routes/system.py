@@ -17,7 +17,9 @@ from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc, build
 from cpn.api.routes import add
 from cpn.api.workers import shared_metrics
-from layers.orchestration.identity import audit
+from cpn.core import errors
+from cpn.core.principal import Role
+from layers.orchestration.identity import audit, tokens
 
 REFRESH = web.AppKey("metrics_refresh", object)
 
@@ -46,6 +48,11 @@ def _reconciler_role(app: web.Application) -> str:
 async def metrics(request: web.Request) -> web.Response:
     """The request counters (every worker's, when ``cpn serve`` runs several) and the gauges read from
     the database for this scrape."""
+    if not request.app[state.SETTINGS].metrics_public:  # issue 35, L1: it names clusters and counts jobs
+        who = await tokens.authenticate_request(request.app[state.DB], request.headers.get("Authorization"))
+        if who.role is not Role.ADMIN:
+            raise errors.Forbidden("/metrics needs an admin token (Prometheus: authorization credentials), or "
+                                   "CPN_METRICS_PUBLIC=true on the server")
     hook = request.app.get(REFRESH)
     families = await hook(request.app) if hook is not None else []
     counters: Any = multiprocess.MultiProcessCollector(None) if shared_metrics() else request.app[REGISTRY]
@@ -91,7 +98,7 @@ async def audit_log(request: web.Request) -> web.Response:
 
 def setup(app: web.Application) -> None:
     add(app, healthz, RouteDoc("GET", "/healthz", "Liveness and database reachability", "system", auth=False))
-    add(app, metrics, RouteDoc("GET", "/metrics", "Prometheus metrics", "system", auth=False))
+    add(app, metrics, RouteDoc("GET", "/metrics", "Prometheus metrics (an admin token unless CPN_METRICS_PUBLIC)", "system"))
     add(app, openapi, RouteDoc("GET", "/api/v1/openapi.json", "This OpenAPI document", "system", auth=False))
     add(app, kinds, RouteDoc("GET", "/api/v1/kinds", "Kind discovery for clients", "system", auth=False))
     add(app, whoami, RouteDoc("GET", "/api/v1/whoami", "The calling account", "system", response=WhoAmI))
