@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -72,6 +73,7 @@ class Relay:
     client: httpx.Client | None
     offsets: dict[int, int] = field(default_factory=dict)
     pending: list[dict[str, Any]] = field(default_factory=list)
+    batch: tuple[str, int] | None = None  # the head batch in flight: (its id, how many reports), kept across retries
 
     def collect(self) -> None:
         for rank in self.spec.ranks:
@@ -91,17 +93,23 @@ class Relay:
         if self.client is None or not self.pending:
             self.pending.clear()
             return
+        if self.batch is None:
+            self.batch = (uuid.uuid4().hex, min(500, len(self.pending)))
+        batch_id, count = self.batch
         try:
-            response = self.client.post(f"{self.spec.job_path}/metrics", json={"reports": self.pending[:500]})
+            response = self.client.post(f"{self.spec.job_path}/metrics",
+                                        json={"reports": self.pending[:count], "batchId": batch_id})
             if response.status_code == 429 or response.status_code >= 500 or _stale(response):
                 response.raise_for_status()
         except httpx.HTTPError as exc:  # the API may be restarting or busy: keep and retry
             print(f"metrics relay: {exc}", file=sys.stderr, flush=True)
-            self.pending = self.pending[-5000:]
+            if len(self.pending) > 5000:
+                self.pending, self.batch = self.pending[-5000:], None
             return
         if response.is_error:  # refused for good (the job ended, a bad report): retrying cannot help
             print(f"metrics relay: {response.status_code} {response.text[:200]}", file=sys.stderr, flush=True)
-        del self.pending[:500]
+        del self.pending[:count]
+        self.batch = None
 
 
 def _stale(response: httpx.Response) -> bool:

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,13 +55,16 @@ class FileSink:
 
 
 class HttpSink:
-    """POSTs ``{"reports": [...]}`` with a bearer token every ``batch_size`` reports or ``interval`` s."""
+    """POSTs ``{"reports": [...], "batchId": ...}`` with a bearer token every ``batch_size`` reports or
+    ``interval`` s. A batch keeps its id and its reports until it is answered, so a batch re-sent after
+    a lost answer is one the server recognises and does not store twice."""
 
     def __init__(self, url: str, token: str | None = None, *, batch_size: int = 20, interval: float = 5.0,
                  timeout: float = 5.0):
         self.url, self.token, self.timeout = url, token, timeout
         self.batch_size, self.interval = batch_size, interval
         self._pending: list[dict[str, Any]] = []
+        self._batch: tuple[str, int] | None = None  # the head batch in flight: (id, size), the same on every retry
         self._last = time.monotonic()
         self.failures = 0
 
@@ -70,9 +74,15 @@ class HttpSink:
             self.flush()
 
     def flush(self) -> None:
-        if not self._pending:
-            return
-        body = json.dumps({"reports": self._pending}).encode()
+        while self._pending and self._send_head():
+            pass
+
+    def _send_head(self) -> bool:
+        """POST the batch in flight (made of what is pending if none is); whether it was answered."""
+        if self._batch is None:
+            self._batch = (uuid.uuid4().hex, len(self._pending))
+        batch_id, count = self._batch
+        body = json.dumps({"reports": self._pending[:count], "batchId": batch_id}).encode()
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -85,10 +95,12 @@ class HttpSink:
             if self.failures == 1:
                 log.warning("metrics POST to %s failed (%s); training continues", self.url, exc)
             if len(self._pending) > 10 * self.batch_size:
-                self._pending = self._pending[-self.batch_size :]
-            return
-        self._pending = []
+                self._pending, self._batch = self._pending[-self.batch_size :], None
+            return False
+        del self._pending[:count]
+        self._batch = None
         self._last = time.monotonic()
+        return True
 
     def close(self) -> None:
         self.flush()

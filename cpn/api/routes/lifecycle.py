@@ -24,6 +24,7 @@ from cpn.core import errors
 from cpn.core.principal import Role
 from cpn.runtime.contract import AttemptSpec
 from layers.orchestration.lifecycle import agents, checkpoints, learning, logs, metering, metric_series, views
+from layers.orchestration.lifecycle.metric_batches import BATCH_ID_PATTERN, record_batch, stored_batch
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
 from layers.resource.bundles import final_key
 from layers.service.contracts import contract_of
@@ -36,6 +37,8 @@ WATCH_MAX_SECONDS = 30.0
 
 class MetricsBatch(BaseModel):
     reports: list[dict[str, object]] = Field(max_length=5000)
+    # the sender's name for this batch, the same on every retry: a batch already stored is not stored again
+    batchId: str | None = Field(None, pattern=BATCH_ID_PATTERN)  # noqa: N815 - wire name
 
 
 def _heartbeat_timeout(request: web.Request) -> timedelta:
@@ -122,10 +125,14 @@ async def post_metrics(request: web.Request) -> web.Response:
     principal = principal_of(request)
     async with request.app[state.DB].session() as s:
         job = await load_job(s, principal, request.match_info["name"], lock=True)
+        if body.batchId is not None and (seen := await stored_batch(s, job.name, body.batchId)) is not None:
+            return json_response({"accepted": seen, "duplicate": True})
         if job.phase not in ("Launching", "Running", "Profiling"):
             return json_response({"accepted": 0, "phase": job.phase})
         await agents.check_worker(s, principal, job, body.reports)
         taken = await metering.ingest(s, job, await contract_of(s, job), body.reports)
+        if body.batchId is not None:
+            record_batch(s, job.name, body.batchId, taken)
     return json_response({"accepted": taken})
 
 

@@ -15,11 +15,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from cpn.core.store import RETIRED
 from layers.control.models import LeaseRow
 from layers.orchestration.events import EventRow
-from layers.orchestration.lifecycle.models import LogRow, MetricRow, SubtaskRow
+from layers.orchestration.lifecycle.models import LogRow, MetricBatchRow, MetricRow, SubtaskRow
 from layers.service.models import JobRow
 
 
 async def forget(session: AsyncSession, job: JobRow) -> None:
-    for model in (SubtaskRow, LogRow, MetricRow, EventRow):
+    for model in (SubtaskRow, LogRow, MetricRow, MetricBatchRow, EventRow):
         await session.execute(delete(model).where(model.job == job.name))
     await session.execute(update(LeaseRow).where(LeaseRow.job == job.name).values(job=f"{RETIRED}{job.id}"))

@@ -76,6 +76,17 @@ class MetricRow(Tracked, Base):
     extra: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)  # the user's own (cpn.train)
 
 
+class MetricBatchRow(Tracked, Base):
+    """A metric batch already stored (its sender's id): a batch re-sent after a lost answer is
+    answered from here instead of being stored twice."""
+
+    __tablename__ = "metric_batches"
+
+    job: Mapped[str] = mapped_column(String(KEY_LEN), primary_key=True)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    accepted: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
 class CalibrationRow(Tracked, Base):
     """What finished runs taught the compute model (see :mod:`layers.orchestration.lifecycle.learning`)."""
 
