@@ -245,7 +245,9 @@ def test_ddp_restarts_from_the_servers_checkpoint_on_a_new_placement(w: World) -
     """A synchronous job that loses a site is re-placed on live capacity (the spare site here) and
     resumes from the newest checkpoint in the server's blob store — at a site that never held it."""
     accepted = w.submit("sync", strategy="ddp", gpus={"min": 2, "max": 2}, sites={"min": 2, "max": 2},
-                        globalBatchTokens=2 * 128 * 8, tokens=160_000)
+                        globalBatchTokens=2 * 128 * 8, tokens=160_000,
+                        maxPricePerGpuHour="10")  # the spare site may cost more than the quote's
+
     first_sites = {p["site"] for p in accepted["status"]["placement"]}
 
     def kill(name: str) -> None:

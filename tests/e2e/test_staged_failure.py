@@ -33,7 +33,8 @@ def w(db_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
 def _accept(w: World, name: str, **spec: object) -> dict[int, dict]:
     """Submit and accept the staged job; its placement line of each stage."""
     w.call(w.user, "POST", "/api/v1/jobs", {"apiVersion": "cpn/v1", "kind": "TrainingJob",
-                                           "metadata": {"name": name}, "spec": {**SPEC, **spec}})
+                                           "metadata": {"name": name},
+                                           "spec": {**SPEC, "maxPricePerGpuHour": "10", **spec}})  # re-placed at any price
     job = w.call(w.user, "POST", f"/api/v1/jobs/{name}/accept", {"quote": "balanced"})
     assert job["status"]["strategy"] == "pipeline", job["status"]
     stages = {int(p["stage"]): p for p in job["status"]["placement"]}
