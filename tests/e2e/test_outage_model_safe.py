@@ -77,6 +77,15 @@ class OneSite:
         self.sites.__exit__(None, None, None)
 
 
+@pytest.fixture(autouse=True)
+def patient_server_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded machine (several agents' test runs on 2 cores) can take over a minute to start a server."""
+    import tests.conftest as conftest
+
+    slow = conftest.wait_healthy
+    monkeypatch.setattr(conftest, "wait_healthy", lambda url, proc, log, timeout=60: slow(url, proc, log, 240))
+
+
 def wait(check: Callable[[], Any], timeout: float, every: float = 0.3) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
