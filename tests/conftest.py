@@ -52,13 +52,21 @@ def _with_db(url: str, name: str) -> str:
     return f"{base}/{name}"
 
 
+# fixtures that start real processes (a `cpn serve`, S x W torch workers): a test using one is `slow`
+SLOW_FIXTURES = {"live_server", "run_workers"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`db` marks every test that gets a database (its fixtures reach `db_factory`): CI's PostgreSQL pass
-    runs `-m db` only. A `postgres` test runs only when CPN_TEST_DATABASE_URL is set, i.e. in that pass."""
+    runs `-m db` only. `slow` marks every test whose fixtures start processes (SLOW_FIXTURES). A
+    `postgres` test runs only when CPN_TEST_DATABASE_URL is set, i.e. in that pass."""
     on_pg = bool(_pg_url())
     for item in items:
-        if "db_factory" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "db_factory" in fixtures:
             item.add_marker(pytest.mark.db)
+        if fixtures & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("postgres") and not on_pg:
             item.add_marker(pytest.mark.skip(reason="runs in CI's PostgreSQL pass (CPN_TEST_DATABASE_URL is unset)"))
 

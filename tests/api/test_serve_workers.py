@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from cpn.api.workers import worker_pids
 from tests.conftest import DatabaseFactory, start_server
@@ -28,6 +29,7 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
+@pytest.mark.postgres  # several workers need PostgreSQL: only CI's PostgreSQL pass runs it
 def test_two_workers_share_the_port_one_leads_and_metrics_count_both(tmp_path: Path) -> None:
     factory = DatabaseFactory(tmp_path / "db", _pg())
     server = start_server(factory.new(), tmp_path, {"CPN_WORKERS": "2", "CPN_METRICS_PUBLIC": "true"})
