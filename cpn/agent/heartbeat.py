@@ -122,7 +122,15 @@ async def run_agent(cfg: AgentConfig) -> None:
             return
         from cpn.agent.work import WorkLoop, adopt, run_work
 
-        loop = WorkLoop(cfg.server, cfg.token, cfg.cluster, make_driver(cfg), advertise=cfg.advertise_address)
+        devices = None
+        if cfg.local:
+            from cpn.agent.devices import DevicePool
+
+            devices = await asyncio.to_thread(DevicePool.discover, cfg.gpus)
+            log.info("agent for cluster %s: %d %s device(s) %s", cfg.cluster, len(devices.ids), devices.kind,
+                     ",".join(devices.ids))
+        loop = WorkLoop(cfg.server, cfg.token, cfg.cluster, make_driver(cfg), advertise=cfg.advertise_address,
+                        devices=devices)
         log.info("agent for cluster %s: claiming its sub-tasks, advertising %s", cfg.cluster, loop.advertise)
         await adopt(loop)  # before any heartbeat: an orphan of an earlier life still holds its slots
         await asyncio.gather(_heartbeats(client, cfg, spec, loop.held_slots), run_work(loop))

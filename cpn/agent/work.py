@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+from cpn.agent.devices import DevicePool
 from cpn.client import ApiError, Client
 from cpn.core.phases import NOT_LAUNCHED, SUBTASK_DONE
 from cpn.runtime.contract import AttemptSpec, Endpoint
@@ -56,8 +57,10 @@ class Run:
 
 class WorkLoop:
     def __init__(self, server: str, token: str | None, cluster: str, driver: SiteDriver, *,
-                 advertise: str | None = None, timeout: float = 30.0):
+                 advertise: str | None = None, timeout: float = 30.0, devices: DevicePool | None = None):
+        """`devices`: the site's devices, each launched sub-task given its own (local runs)."""
         self.server, self.cluster, self.driver = server.rstrip("/"), cluster, driver
+        self.devices = devices
         self.advertise = advertise or advertise_address(server)
         self.watch_client = Client(server, token, timeout=WATCH_SECONDS + timeout)
         self.client = Client(server, token, timeout=timeout)
@@ -90,6 +93,8 @@ class WorkLoop:
         uids = {(i["spec"]["job"], i["spec"]["attempt"], i["metadata"]["name"]): i["metadata"]["uid"]
                 for i in items if i["status"]["phase"] not in DONE}
         for spec, handle in found:
+            if self.devices is not None:
+                self.devices.restore(spec)  # held until the run has ended, adopted or orphaned
             uid = uids.get((spec.job, spec.attempt, spec.subtask))
             if uid is not None and uid not in self.runs:
                 self.runs[uid] = Run(uid, spec, handle)
@@ -119,6 +124,7 @@ class WorkLoop:
             state = await self.driver.poll(run.spec, run.handle)
             if state.phase not in ("Launching", "Running") and await self._cleanup(run):
                 self.orphans.remove(run)
+                self._release(run.spec)
                 log.info("orphaned sub-task %s attempt %s has stopped (%s)", run.spec.subtask, run.spec.attempt,
                          state.phase)
 
@@ -177,14 +183,21 @@ class WorkLoop:
             raise
         spec = AttemptSpec.model_validate(raw).model_copy(update={"server": self.server})
         try:
+            if self.devices is not None:
+                spec = spec.model_copy(update={"devices": self.devices.assign(spec)})
             handle = await self.driver.launch(spec)
         except Exception as exc:  # noqa: BLE001 - one sub-task's launch must not stop the agent
+            self._release(spec)
             await self._refuse(uid, spec, exc)
             return
         self.runs[uid] = Run(uid, spec, handle)
         log.info("launched sub-task %s attempt %s: ranks %s..%s, rendezvous %s:%s", spec.subtask, spec.attempt,
                  spec.first_rank, spec.first_rank + spec.workers - 1, spec.rendezvous.host if spec.rendezvous else "?",
                  spec.rendezvous.port if spec.rendezvous else "?")
+
+    def _release(self, spec: AttemptSpec) -> None:
+        if self.devices is not None:
+            self.devices.release(spec)
 
     async def _refuse(self, uid: str, spec: AttemptSpec, exc: Exception) -> None:
         """The driver could not start the workers: the sub-task fails with the driver's reason (the
@@ -224,6 +237,8 @@ class WorkLoop:
             run.cursor = cursor
         if _changed(run.reported, state) or time.monotonic() - run.reported_at > REPORT_EVERY:
             await self._report(run, state)
+        if state.phase in DONE:
+            self._release(run.spec)  # its workers have exited: the devices go to the next sub-task
         if state.phase in DONE and not lines and run.reported is not None and run.reported.phase in DONE:
             if await self._cleanup(run):  # reported and drained: the run's folder goes
                 del self.runs[uid]

@@ -24,7 +24,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from cpn.runtime.config import ENV_CHECKPOINT_DIR, ENV_METRICS_TOKEN, ENV_RUN_DIR, TrainConfig
 from cpn.runtime.topology import Topology
 
-__all__ = ["CONTRACT_VERSION", "ENV", "AttemptSpec", "CodeRef", "DataRef", "Endpoint", "torchrun_env",
+__all__ = ["CONTRACT_VERSION", "ENV", "AttemptSpec", "CodeRef", "DataRef", "Devices", "Endpoint", "torchrun_env",
            "worker_env"]
 
 CONTRACT_VERSION = "cpn.attempt/v1"
@@ -43,6 +43,7 @@ class ENV:
     CODE_ENTRYPOINT = "CPN_CODE_ENTRYPOINT"
     CODE_ARGS = "CPN_CODE_ARGS"  # spec.code.args as JSON: cpn.train's job.config
     DATA_URI = "CPN_DATA_URI"  # this site's replica of spec.dataset: cpn.train's job.data_uri
+    DEVICES = "CPN_DEVICES"  # the kind of the devices the agent assigned: cuda (must be used) or slot (CPU)
 
 
 def _not_bool(v: Any) -> Any:
@@ -85,6 +86,14 @@ class DataRef(_Model):
     vocab: int | None = Field(default=None, ge=2, description="format tokens: the number of token ids")
 
 
+class Devices(_Model):
+    """The devices the site's agent gave this sub-task, one per worker, disjoint from every other
+    sub-task's it runs: ``cuda`` GPUs it enumerated (workers must use them), or declared ``slot``s."""
+
+    kind: Literal["cuda", "slot"]
+    ids: list[str] = Field(min_length=1)
+
+
 class AttemptSpec(_Model):
     """One sub-task of one attempt. Ranks ``first_rank .. first_rank + workers - 1`` run here."""
 
@@ -106,6 +115,9 @@ class AttemptSpec(_Model):
     code: CodeRef | None = None
     data: DataRef | None = None
     image: str | None = None
+    devices: Devices | None = Field(default=None, description="set by a local agent at launch")
+    env: dict[str, str] = Field(default_factory=dict,
+                                description="the site's communication environment (NCCL_*, GLOO_*): its fabric")
 
     @model_validator(mode="after")
     def _check(self) -> AttemptSpec:
@@ -117,6 +129,8 @@ class AttemptSpec(_Model):
         for rank in (self.first_rank, self.first_rank + self.workers - 1):
             if self.topology.site_of(rank) != self.site_index:
                 raise ValueError(f"rank {rank} is not at site {self.site_index}")
+        if self.devices is not None and len(self.devices.ids) != self.workers:
+            raise ValueError(f"{len(self.devices.ids)} devices for {self.workers} workers")
         return self
 
     @property
@@ -163,7 +177,7 @@ def worker_env(spec: AttemptSpec, rank: int, *, run_dir: str, checkpoint_dir: st
         raise ValueError(f"attempt {spec.attempt} of {spec.job} has no rendezvous endpoint yet")
     if rank not in spec.ranks:
         raise ValueError(f"rank {rank} does not run in sub-task {spec.subtask} (ranks {spec.ranks})")
-    env = {"OMP_NUM_THREADS": "1", **(os.environ if base is None else base), **(extra or {})}
+    env = {"OMP_NUM_THREADS": "1", **(os.environ if base is None else base), **spec.env, **(extra or {})}
     for secret in (ENV.METRICS_TOKEN, "CPN_TOKEN", "CPN_METRICS_URL"):
         env.pop(secret, None)
     env.update(torchrun_env(spec.topology, rank, rank - spec.first_rank, spec.workers, spec.rendezvous.host,
@@ -176,4 +190,6 @@ def worker_env(spec: AttemptSpec, rank: int, *, run_dir: str, checkpoint_dir: st
         env.update({ENV.CODE_ENTRYPOINT: spec.code.entrypoint, ENV.CODE_ARGS: json.dumps(spec.code.args)})
     if spec.data is not None and spec.data.uri:
         env[ENV.DATA_URI] = spec.data.uri
+    if spec.devices is not None:  # each worker binds cuda:LOCAL_RANK inside the sub-task's own set
+        env.update({"CUDA_VISIBLE_DEVICES": ",".join(spec.devices.ids), ENV.DEVICES: spec.devices.kind})
     return env

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from cpn.runtime.config import DeviceConfig
+from cpn.runtime.contract import ENV
 
 __all__ = [
     "HOST",
@@ -51,16 +52,25 @@ def select_device(kind: str = "auto", environ: dict[str, str] | None = None) -> 
     """``cuda:LOCAL_RANK`` or the CPU, the same choice on every rank of a site.
 
     ``auto`` takes CUDA only when there is a device per local rank (two ranks on one GPU would
-    break NCCL); ``cuda`` insists and says what is missing.
+    break NCCL); ``cuda`` insists and says what is missing, and so does ``auto`` when the site's agent
+    assigned GPUs (``CPN_DEVICES=cuda``): the job is billed GPU time, so it never trains on the CPU.
+    ``CUDA_VISIBLE_DEVICES`` (the agent's assignment) makes ``cuda:LOCAL_RANK`` this sub-task's own GPU.
     """
     if kind == "cpu":
         return HOST
+    env = os.environ if environ is None else environ
     local, per_site = _local(environ)
     count = cuda_devices()
     if count >= per_site and count > local:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         return device
+    if env.get(ENV.DEVICES) == "cuda":
+        raise RuntimeError(
+            f"the site assigned GPUs {env.get('CUDA_VISIBLE_DEVICES', '?')} to this sub-task, but {count} CUDA "
+            f"device(s) are visible for {per_site} local ranks: the GPUs are gone or the CUDA driver failed "
+            "(check nvidia-smi); refusing to train on the CPU while GPU time is billed"
+        )
     if kind == "cuda":
         raise RuntimeError(
             f"device.kind is 'cuda' but this machine has {count} CUDA device(s) for {per_site} local ranks: "
