@@ -238,7 +238,7 @@ def start_server(db_url: str, tmp: Path, extra_env: dict[str, str] | None = None
     return LiveServer(url=url, env=env, proc=proc)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
