@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     claim_timeout_seconds: float = Field(default=120.0, gt=0, description="A sub-task no agent claims within "
                                          "this long fails its site; the job is re-placed.")
     blob_max_bytes: int = Field(default=8 * 1024**3, gt=0, description="Largest checkpoint or bundle file.")
+    checkpoint_keep: int = Field(default=2, ge=1, le=1000, description="Checkpoint steps kept per job in the "
+                                 "blob store (the newest committed ones; the step a new attempt would resume "
+                                 "from and steps still being uploaded are kept too; final weights always). "
+                                 "The sites' job runners read the same variable for their checkpoint folders.")
     bundle_max_bytes: int = Field(default=64 * 1024**2, gt=0, description="Largest code bundle (spec.code), "
                                   "compressed; larger uploads get 413.")
     workers: int | None = Field(default=None, ge=1, le=64, description=(

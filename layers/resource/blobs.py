@@ -10,6 +10,7 @@ from a command line. A write is all or nothing: a reader sees a whole object or 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -97,6 +98,24 @@ class BlobStore:
     def list(self, prefix: str) -> list[str]:
         keys = [meta["path"] for batch in obstore.list(self.store, prefix.rstrip("/") + "/") for meta in batch]
         return sorted(k for k in keys if not k.rsplit("/", 1)[-1].startswith("."))
+
+    def delete(self, keys: list[str]) -> int:
+        """Remove `keys` (a missing one is no error); how many were asked. On the disk store, folders
+        left empty go too, so a job's pruned checkpoint steps leave nothing behind."""
+        for key in keys:
+            self._check(key)
+        for start in range(0, len(keys), 1000):
+            try:
+                obstore.delete(self.store, keys[start : start + 1000])
+            except (NotFoundError, FileNotFoundError):  # one was gone already: the others one by one
+                for key in keys[start : start + 1000]:
+                    with contextlib.suppress(NotFoundError, FileNotFoundError):
+                        obstore.delete(self.store, key)
+        if self.root is not None:
+            for folder in sorted({(self.root / k).parent for k in keys}, key=lambda p: len(p.parts), reverse=True):
+                with contextlib.suppress(OSError):  # not empty (another file, or a write in progress): kept
+                    folder.rmdir()
+        return len(keys)
 
     async def open(self, key: str) -> AsyncIterator[bytes] | None:
         """The object's bytes in chunks, or None when there is no such object."""

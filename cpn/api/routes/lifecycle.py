@@ -26,6 +26,7 @@ from cpn.runtime.contract import AttemptSpec
 from layers.orchestration.lifecycle import agents, checkpoints, learning, logs, metering, metric_series, views
 from layers.orchestration.lifecycle.metric_batches import BATCH_ID_PATTERN, record_batch, stored_batch
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
+from layers.orchestration.lifecycle.retention import prune as prune_checkpoints
 from layers.resource.bundles import final_key
 from layers.service.contracts import contract_of
 from layers.service.jobs import TERMINAL, JobStore, job_key, load_job
@@ -145,6 +146,9 @@ async def put_checkpoint(request: web.Request) -> web.Response:
         job = await load_job(s, principal, name)
     key = checkpoints.key(job.id, f"{request.match_info['step']}/{request.match_info['file']}")
     size = await request.app[BLOBS].put(key, request.content.iter_chunked(1 << 20))
+    if request.match_info["file"] == "latest.json":  # a step committed: older ones beyond the kept go
+        keep = request.app[state.SETTINGS].checkpoint_keep
+        await asyncio.to_thread(prune_checkpoints, request.app[BLOBS], job.id, keep)
     return json_response({"name": key, "size": size}, status=201)
 
 
