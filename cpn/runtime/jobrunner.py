@@ -122,6 +122,14 @@ def _stale(response: httpx.Response) -> bool:
         return False
 
 
+DCP_SAVE_WAIT_SECONDS = 60.0  # how long a site's sharded files wait for rank 0's site to end their save
+
+
+class DcpSavePending(httpx.TransportError):
+    """This site's files of a sharded checkpoint wait for rank 0's site to upload the save's metadata:
+    retried like an unreachable API (:func:`_transient`)."""
+
+
 @dataclass
 class CheckpointSync:
     """Copies this site's checkpoint files to the API's blob store, and fetches the newest complete
@@ -131,6 +139,7 @@ class CheckpointSync:
     spec: AttemptSpec
     client: httpx.Client | None
     sent: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (mtime_ns, size) uploaded
+    dcp_saved: set[str] = field(default_factory=set)  # sharded steps whose .metadata the API holds
 
     def _mark(self, name: str, path: Path) -> None:
         st = path.stat()
@@ -176,8 +185,54 @@ class CheckpointSync:
                         fh.write(chunk)
                 os.replace(tmp, target)
             self._mark(name, target)
-        checkpoint.atomic_write_json({"step": latest["step"], "sites": latest["sites"]}, self.root / checkpoint.LATEST)
+        info = {"step": latest["step"], "sites": latest["sites"]}
+        if latest.get("format") == checkpoint.DCP_FORMAT:  # load_sharded reads the whole step's folder
+            info.update(format=checkpoint.DCP_FORMAT, files=[name.rsplit("/", 1)[1] for name in latest["files"]])
+        checkpoint.atomic_write_json(info, self.root / checkpoint.LATEST)
         return int(latest["step"])
+
+    def _put(self, name: str, path: Path) -> None:
+        with path.open("rb") as fh:
+            self.client.put(f"{self._base()}/{name}", content=fh).raise_for_status()  # type: ignore[union-attr]
+        self._mark(name, path)
+
+    def _dcp_files(self) -> list[Path]:
+        """The sharded (DCP) files this site wrote: its own ranks' ``__R_I.distcp``, and on rank 0's site
+        the coordinator's ``.metadata`` (rank R of the save is global rank R: it runs on the world group)."""
+        mine = {f"__{rank}_" for rank in self.spec.ranks}
+        files = [p for p in self.root.glob("step-*/__*_*.distcp") if any(p.name.startswith(m) for m in mine)]
+        if self.spec.leads_rendezvous:
+            files += self.root.glob("step-*/.metadata")
+        return sorted(files)
+
+    def _saved(self, step: str) -> bool:
+        """Whether the job-wide DCP save of `step` has ended: its ``.metadata`` exists (here, or at the
+        API from rank 0's site). DCP writes a rank's file in place, and rank 0 writes the metadata only
+        after every rank's files are whole, so a file uploaded before that may be half written."""
+        if step in self.dcp_saved or (self.root / step / ".metadata").exists():
+            return True
+        with self.client.stream("GET", f"{self._base()}/{step}/.metadata") as resp:  # type: ignore[union-attr]
+            if resp.status_code == 404:  # (the body is not read: only whether it is there)
+                return False
+            resp.raise_for_status()
+        self.dcp_saved.add(step)
+        return True
+
+    def _push_dcp(self) -> None:
+        """Upload this site's files of finished sharded saves. A file still waiting for its save's end
+        (rank 0's site has not uploaded the metadata yet) raises :class:`DcpSavePending` while it is
+        young, so the run's epilogue retries; an old one (rank 0's site died) is left behind."""
+        waiting = []
+        for path in self._dcp_files():
+            name = f"{path.parent.name}/{path.name}"
+            if not self._unsent(name, path):
+                continue
+            if path.name == ".metadata" or self._saved(path.parent.name):
+                self._put(name, path)
+            elif time.time() - path.stat().st_mtime < DCP_SAVE_WAIT_SECONDS:
+                waiting.append(name)
+        if waiting:
+            raise DcpSavePending(f"waiting for rank 0's site to finish the sharded save of {', '.join(waiting)}")
 
     def push(self) -> None:
         if self.client is None or not self.root.exists():
@@ -185,9 +240,12 @@ class CheckpointSync:
         for path in sorted(self.root.glob("step-*/*.pt")):
             name = f"{path.parent.name}/{path.name}"
             if self._unsent(name, path):
-                with path.open("rb") as fh:
-                    self.client.put(f"{self._base()}/{name}", content=fh).raise_for_status()
-                self._mark(name, path)
+                self._put(name, path)
+        pending: DcpSavePending | None = None
+        try:
+            self._push_dcp()
+        except DcpSavePending as exc:
+            pending = exc
         info = checkpoint.latest(self.root)
         if info and self.spec.leads_rendezvous:  # rank 0's site commits the step once its files are up
             marker = f"{checkpoint.step_dir(Path(''), info['step']).name}/{checkpoint.LATEST}"
@@ -195,6 +253,8 @@ class CheckpointSync:
             if self._unsent(marker, latest):
                 self.client.put(f"{self._base()}/{marker}", content=json.dumps(info).encode()).raise_for_status()
                 self._mark(marker, latest)
+        if pending is not None:
+            raise pending
 
 
 def _last_error(log: Path) -> str:

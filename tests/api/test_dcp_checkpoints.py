@@ -1,0 +1,169 @@
+"""Sharded (torch.distributed.checkpoint) checkpoints through the server's blob store (issue 28,
+Deliver 3): each site's job runner uploads the files its ranks wrote (rank 0's site also the save's
+`.metadata` and the `latest.json` marker); the step is offered as `latest` only once every file the
+marker lists is stored; a new attempt on another number of ranks downloads the step and reshards it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cpn.runtime import checkpoint, jobrunner
+from cpn.runtime.contract import AttemptSpec
+from tests.api.billing_helpers import started
+from tests.layers.orchestration.test_reconciler import _world
+
+STEP = 3
+SHAPES = {"site0/w": (6, 4), "site0/b": (6,), "global/m": (5, 3)}
+
+
+def _full() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {k: torch.randn(shape, generator=gen) for k, shape in SHAPES.items()}
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in flat.items():
+        top, leaf = k.split("/")
+        out.setdefault(top, {})[leaf] = v
+    return out
+
+
+def _rank(rank: int, world: int, store_file: str, root: str, mode: str, out: str) -> None:
+    """One rank of a gloo job of `world` ranks: `save` the tensors sharded on dim 0 with save_sharded, or
+    `load` them with load_sharded into this world's shards and write what it holds to `out`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = _full()
+        if mode == "save":
+            state = _nested({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()})
+            checkpoint.save_sharded(Path(root), STEP, state, group=dist.group.WORLD, is_rank0=rank == 0, sites=[0])
+            return
+        def template(sites: list[int]) -> dict[str, Any]:
+            return _nested({k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()})
+        loaded = checkpoint.load_sharded(root, template, group=dist.group.WORLD)
+        assert loaded is not None
+        step, state = loaded
+        whole = {f"{top}/{leaf}": t.full_tensor() for top, part in state.items() for leaf, t in part.items()}
+        if rank == 0:
+            torch.save({"step": step, "state": whole}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world: int, tmp: Path, root: Path, mode: str) -> dict[str, Any] | None:
+    store_file, out = tmp / f"store-{mode}-{world}", tmp / f"out-{mode}-{world}.pt"
+    mp.spawn(_rank, args=(world, str(store_file), str(root), mode, str(out)), nprocs=world, join=True)
+    return torch.load(out) if mode == "load" else None
+
+
+def _spec(contract: dict[str, Any], server: str, first_rank: int, workers: int) -> AttemptSpec:
+    """The attempt's contract as the site running ranks first_rank.. (first_rank + workers - 1) holds it."""
+    spec = AttemptSpec.model_validate({k: v for k, v in contract.items() if k in AttemptSpec.model_fields}
+                                      | {"server": server})
+    return spec.model_copy(update={"first_rank": first_rank, "workers": workers})
+
+
+async def _latest(api, token: str) -> tuple[int, dict[str, Any]]:  # type: ignore[no-untyped-def]
+    resp = await api.client.get("/api/v1/jobs/alice%2Fdcp/checkpoints/latest",
+                                headers={"Authorization": f"Bearer {token}"})
+    return resp.status, await resp.json()
+
+
+@pytest.mark.slow
+async def test_a_sharded_step_uploaded_by_two_sites_is_complete_only_with_both_and_reshards_on_one_rank(
+        api, db, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    saved = tmp_path / "saved"
+    await asyncio.to_thread(_run, 2, tmp_path, saved, "save")
+    step_dir = checkpoint.step_dir(saved, STEP)
+    written = sorted(p.name for p in step_dir.iterdir())
+    assert written == [".metadata", "__0_0.distcp", "__1_0.distcp"], written
+    # two sites, each with its own disk: rank 0's holds the metadata and latest.json, rank 1's its shard
+    site_a, site_b = tmp_path / "site-a", tmp_path / "site-b"
+    for site, names in ((site_a, [".metadata", "__0_0.distcp"]), (site_b, ["__1_0.distcp"])):
+        checkpoint.step_dir(site, STEP).mkdir(parents=True)
+        for name in names:
+            shutil.copy2(step_dir / name, checkpoint.step_dir(site, STEP) / name)
+    shutil.copy2(saved / checkpoint.LATEST, site_a / checkpoint.LATEST)
+
+    await _world(api)
+    contract = await started(api, db, "dcp")
+    token, server = contract["worker_token"], str(api.client.make_url("")).rstrip("/")
+    sync_a = jobrunner.CheckpointSync(site_a, (a := _spec(contract, server, 0, 1)), jobrunner._client(a))
+    sync_b = jobrunner.CheckpointSync(site_b, (b := _spec(contract, server, 1, 1)), jobrunner._client(b))
+    assert sync_a.spec.leads_rendezvous and not sync_b.spec.leads_rendezvous
+
+    # site B first: its shard waits (unsent) for the save's end, which only rank 0's metadata proves
+    with pytest.raises(jobrunner.DcpSavePending, match="__1_0.distcp"):
+        await asyncio.to_thread(sync_b.push)
+    assert (await _latest(api, token))[0] == 404
+    await asyncio.to_thread(sync_a.push)  # metadata, rank 0's shard, the marker: half the step
+    status, body = await _latest(api, token)
+    assert status == 404, body  # a half-uploaded sharded step is never offered
+    await asyncio.to_thread(sync_b.push)
+    status, body = await _latest(api, token)
+    assert status == 200, body
+    prefix = f"step-{STEP:08d}/"
+    assert body == {"step": STEP, "sites": [0], "format": "dcp",
+                    "files": [prefix + n for n in (".metadata", "__0_0.distcp", "__1_0.distcp")]}, body
+    await asyncio.to_thread(sync_b.push)  # nothing new: nothing raised, nothing sent again
+
+    # a re-placed attempt on one rank fetches the whole step into a fresh folder and reshards it
+    fresh = tmp_path / "fresh"
+    sync_new = jobrunner.CheckpointSync(fresh, (c := _spec(contract, server, 0, 1)), jobrunner._client(c))
+    assert await asyncio.to_thread(sync_new.fetch) == STEP
+    assert json.loads((fresh / checkpoint.LATEST).read_text())["format"] == "dcp"
+    assert checkpoint.is_sharded_checkpoint(fresh)
+    for name in written:
+        assert (checkpoint.step_dir(fresh, STEP) / name).read_bytes() == (step_dir / name).read_bytes(), name
+    got = await asyncio.to_thread(_run, 1, tmp_path, fresh, "load")
+    assert got is not None and got["step"] == STEP
+    for k, v in _full().items():
+        assert torch.equal(got["state"][k], v), k
+
+
+@pytest.mark.parametrize("file", ["..metadata", "metadata", "__0_0.distcp.tmp", "___0_0.distcp", "__a_0.distcp",
+                                  "__0_0.pt", ".metadata.tmp", "__1234567_0.distcp"])
+async def test_only_the_names_dcp_writes_are_taken(api, db, file: str) -> None:  # type: ignore[no-untyped-def]
+    await _world(api)
+    contract = await started(api, db, "names")
+    headers = {"Authorization": f"Bearer {contract['worker_token']}"}
+    base = "/api/v1/jobs/alice%2Fnames/checkpoints/step-00000001"
+    resp = await api.client.put(f"{base}/{file}", data=b"x", headers=headers)
+    assert resp.status in (404, 422), (file, resp.status, await resp.text())
+    for good in (".metadata", "__0_0.distcp", "__12_3.distcp"):
+        resp = await api.client.put(f"{base}/{good}", data=b"x", headers=headers)
+        assert resp.status == 201, (good, await resp.text())
+        resp = await api.client.get(f"{base}/{good}", headers=headers)
+        assert resp.status == 200 and await resp.read() == b"x", good
+
+
+async def test_a_marker_listing_files_dcp_never_writes_is_no_checkpoint(api, db) -> None:  # type: ignore[no-untyped-def]
+    """A marker is the workers' word: one naming a path outside the step (or no metadata) is skipped."""
+    await _world(api)
+    contract = await started(api, db, "dcp")
+    headers = {"Authorization": f"Bearer {contract['worker_token']}"}
+    base = "/api/v1/jobs/alice%2Fdcp/checkpoints"
+    for step, files in ((1, [".metadata", "__0_0.distcp"]), (2, [".metadata", "../step-00000001/__0_0.distcp"]),
+                        (3, ["__0_0.distcp"])):
+        for name in files[:1] if step > 1 else files:
+            resp = await api.client.put(f"{base}/step-{step:08d}/{name}", data=b"x", headers=headers)
+            assert resp.status == 201, await resp.text()
+        marker = json.dumps({"step": step, "sites": [0], "format": "dcp", "files": files}).encode()
+        resp = await api.client.put(f"{base}/step-{step:08d}/latest.json", data=marker, headers=headers)
+        assert resp.status == 201, await resp.text()
+    status, body = await _latest(api, contract["worker_token"])
+    assert (status, body["step"], body["files"]) == (200, 1, ["step-00000001/.metadata", "step-00000001/__0_0.distcp"])
