@@ -234,7 +234,12 @@ def start_server(db_url: str, tmp: Path, extra_env: dict[str, str] | None = None
     log = open(tmp / f"server-{port}.log", "a")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen([str(exe), "serve", "--port", str(port)], env=env, stdout=log, stderr=log)
     url = f"http://{host}:{port}"
-    wait_healthy(url, proc, tmp / f"server-{port}.log")
+    try:
+        wait_healthy(url, proc, tmp / f"server-{port}.log")
+    except BaseException:
+        proc.kill()  # a server that never answered is not left running behind the failed test
+        proc.wait()
+        raise
     return LiveServer(url=url, env=env, proc=proc)
 
 
