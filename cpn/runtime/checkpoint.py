@@ -18,10 +18,12 @@ after ``COMMIT_TIMEOUT_SECONDS`` the step is committed with the sites that wrote
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,47 @@ import torch.distributed as dist
 LATEST = "latest.json"
 COMMIT_TIMEOUT_SECONDS = 120.0  # how long a checkpoint step waits for a site's file before committing without it
 COMMIT_GRACE_SECONDS = 5.0  # how long rank 0 waits for the files in the step itself (the rest is polled)
+
+
+ENV_CHECKPOINT_KEEP = "CPN_CHECKPOINT_KEEP"  # the server's setting of the same name: steps kept per job
+DEFAULT_KEEP = 2
+
+
+def keep_from_env(env: Mapping[str, str] | None = None) -> int:
+    """How many checkpoint steps a site keeps (``CPN_CHECKPOINT_KEEP``, default 2)."""
+    raw = (os.environ if env is None else env).get(ENV_CHECKPOINT_KEEP, "").strip()
+    if not raw:
+        return DEFAULT_KEEP
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{ENV_CHECKPOINT_KEEP}={raw!r} is not valid: set it to how many checkpoint steps to "
+                         f"keep, a whole number of at least 1 (default {DEFAULT_KEEP})")
+    return int(raw)
+
+
+def prune(root: str | Path, keep: int, *, uploaded: Callable[[Path], bool] | None = None) -> list[Path]:
+    """Remove the checkpoint steps under ``root`` beyond the newest ``keep``; the step ``latest.json``
+    names (what a resumed run loads) always stays, and so does any step with a file ``uploaded`` does
+    not confirm (``None``: no server to wait for), a half-written one included. A step is a folder
+    (per-site files, or a sharded DCP save) or a single file. The paths removed."""
+    entries: dict[int, Path] = {}
+    for entry in Path(root).glob("step-*"):
+        with contextlib.suppress(ValueError):
+            entries[int(entry.name.removeprefix("step-"))] = entry
+    kept = set(sorted(entries)[-keep:])
+    info = latest(root) if Path(root, LATEST).exists() else None
+    if info is not None:
+        kept.add(int(info["step"]))
+    removed = []
+    for step, entry in sorted(entries.items()):
+        files = [entry] if entry.is_file() else [p for p in entry.rglob("*") if p.is_file()]
+        if step in kept or (uploaded is not None and not all(uploaded(f) for f in files)):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -308,6 +308,15 @@ def push_final(spec: AttemptSpec, run_dir: Path, client: httpx.Client | None) ->
     return True
 
 
+def _retain(sync: CheckpointSync, keep: int) -> None:
+    """Drop this site's checkpoint steps beyond the newest `keep` once the server holds their files."""
+    def uploaded(path: Path) -> bool:
+        return not sync._unsent(str(path.relative_to(sync.root)), path)
+
+    with contextlib.suppress(OSError):
+        checkpoint.prune(sync.root, keep, uploaded=None if sync.client is None else uploaded)
+
+
 @dataclass(frozen=True)
 class Jail:
     """How the workers run: as the job's own uid in their own mount namespace (the local driver as
@@ -422,7 +431,7 @@ def supervise(spec: AttemptSpec, run_dir: Path, job_dir: Path | None = None, *, 
     job_dir = job_dir or run_dir.parent.parent  # local: one folder per job, shared by its attempts
     jail = Jail.of(job_dir)
     ckpt = sandbox.own(job_dir / "checkpoints", jail.run_as, 0o2770)
-    sync = CheckpointSync(ckpt, spec, client)
+    sync, keep = CheckpointSync(ckpt, spec, client), checkpoint.keep_from_env()
     spec, note = _prepare(spec, sync)
     sandbox.share_tree(ckpt, jail.run_as, writable=True)
     if note:
@@ -451,12 +460,14 @@ def supervise(spec: AttemptSpec, run_dir: Path, job_dir: Path | None = None, *, 
         relay.flush()
         with contextlib.suppress(httpx.HTTPError, OSError):
             sync.push()
+        _retain(sync, keep)
         if all(w.exit_code is not None for w in workers):
             break
         _write_status(run_dir, _status(workers, runner, phase, message or note))
         time.sleep(POLL_SECONDS)
     phase, message = _state(workers)  # every worker has exited: final
     lost = _epilogue(workers, relay, sync, run_dir, spec, client, weights=runner == "Running" and phase == "Succeeded")
+    _retain(sync, keep)
     # only now does the site see the sub-task's end: its metrics, checkpoints and final weights are in
     # the API before the job can turn Succeeded (a report sent after that is refused) — or it says that
     # they are not, and the driver keeps them on the site's disk
