@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from cpn.core.db import as_utc
 from layers.control.models import LeaseRow
 from layers.resource.capacity import ClusterView, LinkView, stored_catalogue
+from layers.resource.schemas import inter_node_gbps
 from layers.resource.stores import is_ready
 
 
@@ -160,6 +161,6 @@ def _offers(clusters: list[ClusterView], leased: dict[str, int]) -> list[PoolOff
                 memory_gb=float(pool["gpu"]["memoryGB"]), free_gpus=min(free, gpus),
                 price_per_gpu_hour=Decimal(str(pool["pricePerGpuHour"])), currency=cluster.spec.get("currency", "USD"),
                 intra_node_gbps=float(inter.get("intraNodeGbps", 600)),
-                inter_node_gbps=float(inter.get("interNodeGbps", 100)), gpus_per_node=pool["gpusPerNode"],
+                inter_node_gbps=inter_node_gbps(cluster.spec), gpus_per_node=pool["gpusPerNode"],
                 driver=cluster.driver))
     return offers

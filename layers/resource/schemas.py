@@ -79,6 +79,64 @@ class Interconnect(CamelModel):
     inter_node_gbps: float = Field(default=100.0, gt=0)
 
 
+FABRIC_GBPS_PER_GPU = {"infiniband": 400.0, "roce": 200.0, "ethernet": 25.0}  # NDR per GPU; 200G RoCE; 200G shared by 8
+ROCE_GID_INDEX = "3"  # RoCE v2 over IPv4 on the usual Mellanox/NVIDIA setup
+IFNAME_RE = r"^[A-Za-z0-9_.:@-]{1,15}$"
+
+
+class Fabric(CamelModel):
+    """How a cluster's nodes talk to each other: what the planner prices intra-site collectives at
+    and what NCCL is told (:meth:`nccl_env`)."""
+
+    kind: Literal["infiniband", "roce", "ethernet"]
+    gbps_per_gpu: float | None = Field(default=None, gt=0, le=10_000,
+                                       description="Inter-node bandwidth per GPU (default by kind: "
+                                                   "infiniband 400, roce 200, ethernet 25)")
+    gpu_direct_rdma: bool = Field(default=False, description="GPUDirect RDMA between GPU and HCA")
+    hcas: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]] = Field(
+        default_factory=list, max_length=64, description="RDMA devices for NCCL_IB_HCA, e.g. mlx5_0")
+    socket_ifname: str | None = Field(default=None, pattern=IFNAME_RE,
+                                      description="Interface for NCCL/Gloo sockets, e.g. eth0 or ib0")
+
+    @field_validator("gpu_direct_rdma", "hcas")
+    @classmethod
+    def _rdma_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if v and info.data.get("kind") == "ethernet":
+            raise ValueError(f"{info.field_name} needs kind infiniband or roce (ethernet has no RDMA)")
+        return v
+
+    @property
+    def gbps(self) -> float:
+        return self.gbps_per_gpu or FABRIC_GBPS_PER_GPU[self.kind]
+
+    def nccl_env(self) -> dict[str, str]:
+        """The communication environment of the cluster's workers."""
+        env = {"NCCL_IB_DISABLE": "1" if self.kind == "ethernet" else "0"}
+        if self.hcas:
+            env["NCCL_IB_HCA"] = ",".join(self.hcas)
+        if self.gpu_direct_rdma:
+            env["NCCL_NET_GDR_LEVEL"] = "SYS"  # GPUDirect RDMA whatever the PCIe distance
+        if self.kind == "roce":
+            env["NCCL_IB_GID_INDEX"] = ROCE_GID_INDEX
+        if self.socket_ifname:
+            env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = self.socket_ifname
+        return env
+
+
+def fabric_of(spec: dict[str, Any]) -> Fabric | None:
+    """A stored cluster spec's fabric (None for a manifest written before fabrics existed)."""
+    raw = spec.get("fabric")
+    return Fabric.model_validate(raw) if raw else None
+
+
+def inter_node_gbps(spec: dict[str, Any]) -> float:
+    """The rate between a cluster's nodes: its fabric's, else the old `interconnect.interNodeGbps`."""
+    fabric = fabric_of(spec)
+    if fabric is not None:
+        return fabric.gbps
+    return float(spec.get("interconnect", {}).get("interNodeGbps", 100))
+
+
 class ClusterSpec(CamelModel):
     site: Name
     driver: Literal["local", "kubernetes"] = "local"
@@ -86,6 +144,7 @@ class ClusterSpec(CamelModel):
     node_pools: list[NodePool] = Field(min_length=1)
     currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$")
     interconnect: Interconnect = Field(default_factory=Interconnect)
+    fabric: Fabric | None = Field(default=None, description="The nodes' network; overrides interconnect.interNodeGbps")
 
     @property
     def capacity(self) -> int:

@@ -25,6 +25,7 @@ from layers.orchestration.jobs.data import data_ref
 from layers.orchestration.lifecycle.models import LogRow, SubtaskRow
 from layers.orchestration.lifecycle.plan import elastic
 from layers.resource.models import ClusterRow
+from layers.resource.schemas import fabric_of
 from layers.service.jobs import display_name, find_job
 from layers.service.models import JobRow
 
@@ -162,7 +163,10 @@ async def claim(s: AsyncSession, principal: Principal, uid: str, body: ClaimRequ
     owner = (await s.execute(select(Account).where(Account.id == job.owner_id))).scalar_one()
     token = await issue_token(s, owner, f"worker-{display_name(job.name)}-{t.attempt}"[:63], job=job.name,
                               subtask=t.id)
-    return contract(job, t, rendezvous, token, data=await data_ref(s, job, t.site))
+    cluster = (await s.execute(select(ClusterRow).where(ClusterRow.name == t.cluster))).scalar_one_or_none()
+    fabric = fabric_of(cluster.spec or {}) if cluster is not None else None
+    return contract(job, t, rendezvous, token, data=await data_ref(s, job, t.site),
+                    env=fabric.nccl_env() if fabric is not None else None)
 
 
 async def check_worker(s: AsyncSession, principal: Principal, job: JobRow, reports: list[dict[str, Any]]) -> None:
@@ -190,8 +194,9 @@ async def check_worker(s: AsyncSession, principal: Principal, job: JobRow, repor
 
 
 def contract(job: JobRow, t: SubtaskRow, rendezvous: dict[str, Any] | None, token: str | None,
-             data: DataRef | None = None) -> AttemptSpec:
-    """The sub-task's attempt contract; `data` is where its site reads the job's Dataset (data_ref)."""
+             data: DataRef | None = None, env: dict[str, str] | None = None) -> AttemptSpec:
+    """The sub-task's attempt contract; `data` is where its site reads the job's Dataset (data_ref), `env`
+    its cluster's communication environment (its fabric's NCCL settings)."""
     code = (job.spec or {}).get("code")  # the user's bundle: the agent fetches it by digest
     return AttemptSpec(code=CodeRef(digest=code["digest"], entrypoint=code["entrypoint"], args=code.get("args") or {})
                        if code and code.get("digest") else None,
@@ -199,7 +204,7 @@ def contract(job: JobRow, t: SubtaskRow, rendezvous: dict[str, Any] | None, toke
                        first_rank=t.first_rank, workers=t.gpus, topology=job.status["topology"],
                        train=job.status["train"], elastic=elastic(job.status),
                        rendezvous=Endpoint(**rendezvous) if rendezvous else None, worker_token=token, data=data,
-                       image=(job.spec or {}).get("image"))
+                       image=(job.spec or {}).get("image"), env=env or {})
 
 
 async def report(s: AsyncSession, principal: Principal, uid: str, body: SubtaskReport) -> SubtaskRow:
