@@ -17,11 +17,13 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import torch
 
@@ -151,10 +153,37 @@ def cuda_tests() -> dict[str, Any]:
         return {"ran": False, "reason": "no CUDA device on this machine"}
     if not CUDA_TESTS.exists():
         return {"ran": False, "reason": f"{CUDA_TESTS} is not here (an installed package): run from a checkout"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-                           str(CUDA_TESTS)], capture_output=True, text=True, cwd=CUDA_TESTS.parents[2])
+    return run_tests(CUDA_TESTS, cwd=CUDA_TESTS.parents[2])
+
+
+def run_tests(path: Path, *, cwd: Path, marker: str = "cuda") -> dict[str, Any]:
+    """Run the `marker` tests of `path`; ``passed`` only when every one ran and passed: a test that
+    skipped (say, the 2-GPU NCCL test on a one-GPU machine) is listed under ``skipped``, not passed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
+                               f"--junitxml={junit}", str(path)], capture_output=True, text=True, cwd=cwd)
+        cases = _junit_cases(junit)
     lines = proc.stdout.strip().splitlines()
-    return {"ran": True, "passed": proc.returncode == 0, "summary": lines[-1] if lines else proc.stderr[-300:]}
+    counts = {k: sum(1 for c in cases if c["outcome"] == k) for k in ("passed", "failed", "skipped")}
+    skipped = [{"test": c["test"], "reason": c["reason"]} for c in cases if c["outcome"] == "skipped"]
+    return {"ran": True, "passed": proc.returncode == 0 and counts["passed"] > 0 and not skipped,
+            "counts": counts, "skipped": skipped, "summary": lines[-1] if lines else proc.stderr[-300:]}
+
+
+def _junit_cases(path: Path) -> list[dict[str, str]]:
+    try:
+        root = ElementTree.parse(path).getroot()
+    except (OSError, ElementTree.ParseError):
+        return []
+    cases = []
+    for case in root.iter("testcase"):
+        skip = case.find("skipped")
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        outcome = "skipped" if skip is not None else "failed" if bad is not None else "passed"
+        cases.append({"test": f"{case.get('classname')}.{case.get('name')}", "outcome": outcome,
+                      "reason": (skip.get("message") or "") if skip is not None else ""})
+    return cases
 
 
 def _throughput(opts: GpuBenchOptions, peak: Peak) -> list[dict[str, Any]]:
@@ -225,4 +254,5 @@ def markdown(report: dict[str, Any]) -> str:
     tests = report["cudaTests"]
     lines += ["", f"MFU per GPU model: {report['mfu'] or '–'}. CUDA tests: "
               + (tests["summary"] if tests.get("ran") else f"not run ({tests['reason']})"), ""]
+    lines += [f"- skipped, not passed: {t['test']}: {t['reason']}" for t in tests.get("skipped", [])]
     return "\n".join(lines)
