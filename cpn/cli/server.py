@@ -1,4 +1,4 @@
-"""`cpn`: the server-side command (serve, db, token, agent, catalog, train, bench, netem, demo)."""
+"""`cpn`: the server-side command (serve, db, token, agent, doctor, catalog, train, bench, netem, demo)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from cpn.core.settings import Settings, get_settings
     "agent": "cpn.cli.agent:agent_cmd",
     "train": "cpn.runtime.cli_train:train_cmd",
     "demo": "cpn.cli.demo:demo_cmd",
+    "doctor": "cpn.cli.doctor:doctor_cmd",
 })
 @click.version_option(cpn.__version__, prog_name="cpn")
 def main() -> None:
