@@ -13,61 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cpn.runtime import checkpoint, jobrunner
 from cpn.runtime.contract import AttemptSpec
 from tests.api.billing_helpers import started
+from tests.api.dcp_ranks import STEP, full_state, run_ranks
 from tests.layers.orchestration.test_reconciler import _world
-
-STEP = 3
-SHAPES = {"site0/w": (6, 4), "site0/b": (6,), "global/m": (5, 3)}
-
-
-def _full() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    return {k: torch.randn(shape, generator=gen) for k, shape in SHAPES.items()}
-
-
-def _nested(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for k, v in flat.items():
-        top, leaf = k.split("/")
-        out.setdefault(top, {})[leaf] = v
-    return out
-
-
-def _rank(rank: int, world: int, store_file: str, root: str, mode: str, out: str) -> None:
-    """One rank of a gloo job of `world` ranks: `save` the tensors sharded on dim 0 with save_sharded, or
-    `load` them with load_sharded into this world's shards and write what it holds to `out`."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        full = _full()
-        if mode == "save":
-            state = _nested({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()})
-            checkpoint.save_sharded(Path(root), STEP, state, group=dist.group.WORLD, is_rank0=rank == 0, sites=[0])
-            return
-        def template(sites: list[int]) -> dict[str, Any]:
-            return _nested({k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()})
-        loaded = checkpoint.load_sharded(root, template, group=dist.group.WORLD)
-        assert loaded is not None
-        step, state = loaded
-        whole = {f"{top}/{leaf}": t.full_tensor() for top, part in state.items() for leaf, t in part.items()}
-        if rank == 0:
-            torch.save({"step": step, "state": whole}, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(world: int, tmp: Path, root: Path, mode: str) -> dict[str, Any] | None:
-    store_file, out = tmp / f"store-{mode}-{world}", tmp / f"out-{mode}-{world}.pt"
-    mp.spawn(_rank, args=(world, str(store_file), str(root), mode, str(out)), nprocs=world, join=True)
-    return torch.load(out) if mode == "load" else None
 
 
 def _spec(contract: dict[str, Any], server: str, first_rank: int, workers: int) -> AttemptSpec:
@@ -87,7 +38,7 @@ async def _latest(api, token: str) -> tuple[int, dict[str, Any]]:  # type: ignor
 async def test_a_sharded_step_uploaded_by_two_sites_is_complete_only_with_both_and_reshards_on_one_rank(
         api, db, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     saved = tmp_path / "saved"
-    await asyncio.to_thread(_run, 2, tmp_path, saved, "save")
+    await asyncio.to_thread(run_ranks, 2, tmp_path, saved, "save")
     step_dir = checkpoint.step_dir(saved, STEP)
     written = sorted(p.name for p in step_dir.iterdir())
     assert written == [".metadata", "__0_0.distcp", "__1_0.distcp"], written
@@ -129,9 +80,9 @@ async def test_a_sharded_step_uploaded_by_two_sites_is_complete_only_with_both_a
     assert checkpoint.is_sharded_checkpoint(fresh)
     for name in written:
         assert (checkpoint.step_dir(fresh, STEP) / name).read_bytes() == (step_dir / name).read_bytes(), name
-    got = await asyncio.to_thread(_run, 1, tmp_path, fresh, "load")
+    got = await asyncio.to_thread(run_ranks, 1, tmp_path, fresh, "load")
     assert got is not None and got["step"] == STEP
-    for k, v in _full().items():
+    for k, v in full_state().items():
         assert torch.equal(got["state"][k], v), k
 
 
