@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from cpn.runtime.config import AUTO, StrategyConfig, TrainConfig
-from cpn.runtime.costmodel import CPU_SLOT_MFU, CPU_SLOT_TFLOPS
+from cpn.runtime.costmodel import CPU_SLOT_MFU, CPU_SLOT_TFLOPS, WIRE_BYTES_PER_VALUE
 from cpn.runtime.presets import resolve as resolve_model
 from cpn.runtime.topology import Topology
 
@@ -94,7 +94,7 @@ def _ddp_wan_bytes_per_step(job: Job) -> float:
 
 
 def _wire_bytes_per_param(compression: str) -> float:
-    return {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / 256}[compression]
+    return WIRE_BYTES_PER_VALUE[compression]
 
 
 def _exchange_bytes(job: Job, compression: str) -> float:

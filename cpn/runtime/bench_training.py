@@ -21,9 +21,9 @@ from typing import Any
 from cpn.runtime.config import PS_STRATEGIES, FaultConfig, StrategyConfig, TrainConfig
 from cpn.runtime.topology import Topology
 
-MODIFIERS = {"int8", "fp16", "bf16", "fp32", "overlap", "sync", "equal", "balanced"}
+MODIFIERS = {"int8", "int4", "topk", "fp16", "bf16", "fp32", "overlap", "sync", "equal", "balanced"}
 # a name without modifiers takes the defaults :func:`cpn.runtime.autotune.resolve` picks; modifiers pin a
-# knob: int8/fp16/bf16/fp32 the WAN codec, overlap/sync the outer step, balanced/equal the batch shares
+# knob: int8/int4/topk/fp16/bf16/fp32 the WAN codec, overlap/sync the outer step, balanced/equal the batch shares
 
 
 @dataclass(kw_only=True)
@@ -79,7 +79,7 @@ class BenchOptions:
 
 def strategy_config(spec: str, opts: BenchOptions) -> StrategyConfig:
     name, *mods = spec.split("+")
-    codec = next((m for m in mods if m in ("int8", "fp16", "bf16", "fp32")), "auto")
+    codec = next((m for m in mods if m in ("int8", "int4", "topk", "fp16", "bf16", "fp32")), "auto")
     every = opts.inner_steps
     if every is not None and name not in ("diloco", "local_sgd"):
         every = max(1, every // 4)

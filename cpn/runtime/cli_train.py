@@ -37,7 +37,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "outer_lr": ("strategy.outer_lr", {"type": float, "default": None, "help": "default: 1 (plain averaging) for < 50 rounds, else 0.7"}),
     "outer_momentum": ("strategy.outer_momentum", {"type": float, "default": None, "help": "default: 0 for < 50 rounds, else 0.9"}),
     "nesterov/--no-nesterov": ("strategy.nesterov", {"default": None}),
-    "compression": ("strategy.compression", {"type": click.Choice(["auto", "none", "fp16", "bf16", "int8"]), "default": "auto",
+    "compression": ("strategy.compression", {"type": click.Choice(["auto", "none", "fp16", "bf16", "int8", "int4", "topk"]), "default": "auto",
                                              "help": "WAN codec; auto: int8 for diloco/local_sgd across sites"}),
     "overlap/--no-overlap": ("strategy.overlap", {"default": None,
                                                   "help": "diloco: outer exchange in the background, merged τ steps later; "

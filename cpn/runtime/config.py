@@ -28,7 +28,7 @@ Sampling = Literal["shard", "whole"]
 # Strategies that drop some workers' gradients by arrival order: a slow worker's own shard would be
 # under-represented, so by default their workers draw from the whole training split (StrategyConfig.data_sampling).
 WHOLE_SPLIT_STRATEGIES = ("ps_backup",)
-Compression = Literal["none", "fp16", "bf16", "int8"]
+Compression = Literal["none", "fp16", "bf16", "int8", "int4", "topk"]
 AUTO = "auto"
 DeviceKind = Literal["auto", "cuda", "cpu"]
 Precision = Literal["auto", "bf16", "fp32"]

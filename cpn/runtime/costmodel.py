@@ -24,6 +24,7 @@ from dataclasses import dataclass
 __all__ = [
     "CPU_SLOT_MFU",
     "CPU_SLOT_TFLOPS",
+    "WIRE_BYTES_PER_VALUE",
     "CostParams",
     "lower_bound_seconds",
     "predict_multilevel_seconds",
@@ -43,6 +44,19 @@ CPU_SLOT_MFU = 0.40
 
 _ETH_OVERHEAD = 1514 / 1448  # bytes on the wire per TCP payload byte, MTU 1500 with timestamps
 _INT8_CHUNK = 256
+# Wire bytes per float32 value of each WAN codec (cpn.runtime.codecs), the one table the runtime's
+# cost model, the autotuner and the planner read: int8 one fp32 scale per 256 values, int4 two values
+# a byte and one fp16 scale per 64, topk at its default 1 % density fp16 values + uint16 offsets + one
+# uint32 count per 65536 values (a topk:<density> codec scales the first two terms).
+WIRE_BYTES_PER_VALUE: dict[str, float] = {
+    "none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / _INT8_CHUNK, "int4": 0.5 + 2 / 64,
+    "topk": 0.01 * (2 + 2) + 4 / 65536,
+}
+
+
+# int4 and topk scaled from int8's by their ratio to it measured on the same (loaded) machine
+_ENCODE_GBYTES_S = {"int8": 0.7, "int4": 0.75, "topk": 0.2, "fp16": 3.5, "bf16": 5.0}
+_DECODE_GBYTES_S = {"int8": 1.0, "int4": 0.65, "topk": 1.8, "fp16": 2.3, "bf16": 2.0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,19 +72,17 @@ class CostParams:
 
     def encode_rate(self, codec: str) -> float:
         """float32 bytes encoded per second by one core."""
-        return (self.encode_gbytes_s or {"int8": 0.7, "fp16": 3.5, "bf16": 5.0})[codec] * 1e9
+        return (self.encode_gbytes_s or _ENCODE_GBYTES_S)[codec] * 1e9
 
     def decode_rate(self, codec: str) -> float:
-        return (self.decode_gbytes_s or {"int8": 1.0, "fp16": 2.3, "bf16": 2.0})[codec] * 1e9
+        return (self.decode_gbytes_s or _DECODE_GBYTES_S)[codec] * 1e9
 
 
 def wire_ratio(compression: str | None) -> float:
     """Wire bytes per float32 byte on the WAN leg."""
     if compression is None:
         return 1.0
-    if compression == "int8":
-        return (1 + 4 / _INT8_CHUNK) / 4
-    return 0.5
+    return WIRE_BYTES_PER_VALUE[compression] / 4
 
 
 def lower_bound_seconds(size_bytes: float, sites: int, wan_mbps: float) -> float:

@@ -241,7 +241,7 @@ class TrainingJobSpec(CamelModel):
     strategy: Strategy = "auto"
     # unset (None): the runtime's autotune chooses, as for `cpn train` (docs/runtime-training.md, "Defaults")
     inner_steps: int | None = Field(default=None, ge=1, le=100_000)
-    compression: Literal["none", "fp16", "bf16", "int8"] | None = None
+    compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] | None = None
     overlap: bool | None = None
     staleness: int = Field(default=4, ge=0, le=1000)
     backup_workers: int | None = Field(default=None, ge=0, le=1024, description=(

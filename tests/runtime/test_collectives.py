@@ -149,7 +149,7 @@ def test_int8_handles_zero_chunks_and_rejects_ragged() -> None:
 
 def test_unknown_names_say_what_exists() -> None:
     with pytest.raises(ValueError, match="int8"):
-        get_codec("int4")
+        get_codec("int3")
     with pytest.raises(ValueError, match="hierarchical"):
         parse_algorithm("ring")
     assert parse_algorithm("hierarchical+int8") == ("hierarchical", "int8")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from cpn.runtime.codecs import ErrorFeedback
+from cpn.runtime.codecs import ErrorFeedback, needs_error_feedback
 from cpn.runtime.collectives import allreduce
 from cpn.runtime.sharding import cross_site_average, local_tensors
 from cpn.runtime.strategies.base import Strategy, grads_of, timed_barrier, weigh
@@ -38,7 +38,7 @@ class DDP(Strategy):
         ctx = self.ctx
         timed_barrier(ctx, ctx.groups.cross)
         if not hasattr(self, "_shard_ef"):
-            self._shard_ef = ErrorFeedback() if self.compression == "int8" else None
+            self._shard_ef = ErrorFeedback() if needs_error_feedback(self.compression) else None
         with ctx.timers.timed("comm"):
             ctx.timers.wan_bytes += cross_site_average(local_tensors(grads_of(self.model)), ctx.groups,
                                                        codec_name=self.compression, ef=self._shard_ef)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpn.runtime.codecs import ErrorFeedback
+from cpn.runtime.codecs import ErrorFeedback, needs_error_feedback
 from cpn.runtime.collectives import DEFAULT_BUCKET_BYTES, Stats, allreduce
 from cpn.runtime.device import ready_event
 from cpn.runtime.strategies.base import Context, grads_of, timed_barrier, weigh
@@ -132,7 +132,7 @@ class Hierarchical(DDP):
         self._compression = None if compression == "none" else compression
         self.collective, self._wire = allreduce_of(ctx.groups.topology, self._compression)
         self.metro_bytes = 0
-        self.ef = ErrorFeedback() if self._compression == "int8" else None
+        self.ef = ErrorFeedback() if needs_error_feedback(self._compression) else None
         self.grad_buckets = GradBuckets(self.model, DEFAULT_BUCKET_BYTES, self._reduce_bucket,
                                         first_bucket_bytes=FIRST_BUCKET_BYTES) \
             if ctx.cfg.strategy.grad_hooks and not self.sharded else None  # sharded: FSDP reduces in backward

@@ -96,7 +96,7 @@ from typing import Any
 
 import numpy as np
 
-from cpn.runtime.costmodel import BALANCE_THRESHOLD
+from cpn.runtime.costmodel import BALANCE_THRESHOLD, WIRE_BYTES_PER_VALUE
 from layers.orchestration.planning import calibration
 from layers.orchestration.planning.ring import Key, best_ring, hops, link_index
 from layers.orchestration.planning.types import (
@@ -151,7 +151,6 @@ TOKEN_EFFICIENCY: dict[str, float] = {
     # step (+1.5 % ± 1.9 points val loss against ps_sync over five seeds, docs/benchmarks/training-notes.md)
     "ps_sync": 1.0, "ps_backup": 1.05,
 }
-_INT8_CHUNK = 256
 # Memory per GPU (:func:`worker_memory_gb`, :func:`memory_plan`; docs/placement.md, "Memory"). One
 # accounting on GPUs and CPUs: the runtime keeps fp32 parameters (4 B), fp32 gradients (4 B) and AdamW's
 # two fp32 moments (8 B), 16 B per parameter — FSDP2's mixed precision on GPUs keeps exactly these sharded
@@ -191,11 +190,9 @@ def wire_ratio(compression: str | None) -> float:
     """Wire bytes per fp32 byte on the WAN leg."""
     if compression is None:
         return 1.0
-    if compression == "int8":
-        return (1 + 4 / _INT8_CHUNK) / 4
-    if compression in ("fp16", "bf16"):
-        return 0.5
-    raise ValueError(f"unknown compression {compression!r}; use fp16, bf16, int8 or none")
+    if compression in WIRE_BYTES_PER_VALUE:
+        return WIRE_BYTES_PER_VALUE[compression] / 4
+    raise ValueError(f"unknown compression {compression!r}; use one of {', '.join(WIRE_BYTES_PER_VALUE)}")
 
 
 def wan_bytes_per_param(strategy: str, compression: str | None) -> float:
@@ -700,14 +697,14 @@ def cut_floats(req: JobRequirements) -> int:
 
 def stage_cuts(req: JobRequirements, stages: int) -> list[tuple[float, float]]:
     """(parameters, share of the blocks) of each of ``stages`` stages, cut as the runtime cuts
-    (:func:`cpn.runtime.stages.partition`: contiguous, the largest stage as small as possible); a
+    (:func:`cpn.runtime.partition.partition`: contiguous, the largest stage as small as possible); a
     user's model's children all count as blocks."""
     return list(_cuts(req.model, stages, is_code(req)))
 
 
 @functools.lru_cache(maxsize=256)
 def _cuts(model: ModelShape, stages: int, code: bool) -> tuple[tuple[float, float], ...]:
-    from cpn.runtime.stages import partition
+    from cpn.runtime.partition import partition
 
     sizes = _units(JobRequirements(model=model, tokens=1, global_batch_tokens=1, workload="code:" if code else "lm"))
     edges = 0 if code else 1  # the LM's embedding and head are no blocks
