@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from cpn.api import state
 from cpn.runtime import checkpoint, jobrunner
 from cpn.runtime.contract import AttemptSpec
 from tests.api.billing_helpers import started
@@ -28,8 +29,8 @@ def _spec(contract: dict[str, Any], server: str, first_rank: int, workers: int) 
     return spec.model_copy(update={"first_rank": first_rank, "workers": workers})
 
 
-async def _latest(api, token: str) -> tuple[int, dict[str, Any]]:  # type: ignore[no-untyped-def]
-    resp = await api.client.get("/api/v1/jobs/alice%2Fdcp/checkpoints/latest",
+async def _latest(api, token: str, job: str = "dcp") -> tuple[int, dict[str, Any]]:  # type: ignore[no-untyped-def]
+    resp = await api.client.get(f"/api/v1/jobs/alice%2F{job}/checkpoints/latest",
                                 headers={"Authorization": f"Bearer {token}"})
     return resp.status, await resp.json()
 
@@ -118,3 +119,41 @@ async def test_a_marker_listing_files_dcp_never_writes_is_no_checkpoint(api, db)
         assert resp.status == 201, await resp.text()
     status, body = await _latest(api, contract["worker_token"])
     assert (status, body["step"], body["files"]) == (200, 1, ["step-00000001/.metadata", "step-00000001/__0_0.distcp"])
+
+
+async def test_retention_keeps_or_drops_a_sharded_step_whole_and_never_offers_a_half_one(api, db) -> None:  # type: ignore[no-untyped-def]
+    """Two sites' uploads of sharded steps (keep 2): a committed step is kept or removed with all its
+    files; the newest step, committed while site 1's shard is still on its way, is not `latest` until
+    the shard arrives, and the step before it stays as the resume point meanwhile."""
+    await _world(api)
+    contract = await started(api, db, "kept")
+    headers = {"Authorization": f"Bearer {contract['worker_token']}"}
+    base = "/api/v1/jobs/alice%2Fkept/checkpoints"
+    files = [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    async def put(step: int, name: str, body: bytes = b"x") -> None:
+        resp = await api.client.put(f"{base}/step-{step:08d}/{name}", data=body, headers=headers)
+        assert resp.status == 201, await resp.text()
+
+    async def latest_step() -> int | None:
+        status, body = await _latest(api, contract["worker_token"], "kept")
+        return body["step"] if status == 200 else None
+
+    for step in (1, 2, 3, 4):  # rank 0's site: metadata, its shard, the marker; then site 1's shard
+        for name in files[:2]:
+            await put(step, name)
+        await put(step, "latest.json", json.dumps({"step": step, "sites": [0], "format": "dcp", "files": files}).encode())
+        assert await latest_step() == (step - 1 if step > 1 else None)
+        if step < 4:
+            await put(step, "__1_0.distcp")
+            assert await latest_step() == step
+    store = api.client.server.app[state.BLOBS]
+    uid = (await (await api.client.get("/api/v1/jobs/kept", headers=api.auth("alice"))).json())["metadata"]["uid"]
+    held: dict[str, list[str]] = {}
+    for k in store.list(f"{uid}/checkpoints"):
+        step_name, name = k.rsplit("/", 2)[1:]
+        held.setdefault(step_name, []).append(name)
+    whole = sorted(["dcp.metadata", "dcp-0-0.distcp", "dcp-1-0.distcp", "latest.json"])
+    assert held == {"step-00000003": whole, "step-00000004": sorted(set(whole) - {"dcp-1-0.distcp"})}, held
+    await put(4, "__1_0.distcp")
+    assert await latest_step() == 4
