@@ -25,24 +25,13 @@ from __future__ import annotations
 
 import importlib
 
-from cpn.runtime.config import TrainConfig
+from cpn.runtime.catalogue import CATALOGUE, survives_site_loss
 from cpn.runtime.strategies.base import Context, Strategy
-from cpn.runtime.topology import Topology
 
 __all__ = ["STRATEGIES", "Context", "Strategy", "build_strategy", "strategy_class", "survives_site_loss"]
 
-STRATEGIES: dict[str, str] = {
-    "ddp": "cpn.runtime.strategies.ddp:DDP",
-    "hierarchical": "cpn.runtime.strategies.hierarchical:Hierarchical",
-    "local_sgd": "cpn.runtime.strategies.local_sgd:LocalSGD",
-    "diloco": "cpn.runtime.strategies.diloco:DiLoCo",
-    "gossip": "cpn.runtime.strategies.gossip:Gossip",
-    "ssp": "cpn.runtime.strategies.ssp:SSP",
-    "async_ps": "cpn.runtime.strategies.async_ps:AsyncPS",
-    "ps_sync": "cpn.runtime.strategies.sync_ps:SyncPS",
-    "ps_backup": "cpn.runtime.strategies.sync_ps:BackupPS",
-    "pipeline": "cpn.runtime.strategies.pipeline:Pipeline",
-}
+# name -> "module:Class", from the torch-free catalogue the orchestrator reads too (one source)
+STRATEGIES: dict[str, str] = {name: info.runs for name, info in CATALOGUE.items()}
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -57,10 +46,3 @@ def build_strategy(ctx: Context) -> Strategy:
     return strategy_class(ctx.cfg.strategy.name)(ctx)
 
 
-def survives_site_loss(cfg: TrainConfig, topology: Topology) -> bool:
-    """Whether a job of ``cfg`` on ``topology`` goes on when a site is lost (its strategy as autotune
-    resolves it); False: the attempt stops and restarts from its latest checkpoint."""
-    from cpn.runtime.autotune import resolve
-
-    resolved = resolve(cfg, topology)
-    return strategy_class(resolved.strategy.name).survives(resolved, topology)

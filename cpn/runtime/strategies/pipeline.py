@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpn.runtime import checkpoint
+from cpn.runtime import catalogue, checkpoint
 from cpn.runtime.codecs import get_codec
 from cpn.runtime.collectives import site_allreduce, wan_allreduce
 from cpn.runtime.config import TrainConfig, trim_shares
@@ -215,9 +215,9 @@ class Pipeline(Strategy):
 
     @classmethod
     def survives(cls, cfg: TrainConfig, topology: Topology) -> bool:
-        """D ≥ 2 replicas averaged every H > 1 steps: a replica that loses a site stops, the others go on."""
-        _, replicas = cfg.strategy.pipeline_shape(topology.num_sites)
-        return replicas > 1 and (cfg.strategy.inner_steps or 1) > 1
+        """D ≥ 2 replicas averaged every H > 1 steps: a replica that loses a site stops, the others go on
+        (the rule lives in the torch-free catalogue, which the orchestrator reads too)."""
+        return catalogue.survives(cfg, topology)
 
     def _replica_group(self, topo: Topology) -> dist.ProcessGroup | None:
         """This site leader's group with the same stage's leaders in every replica (every rank builds

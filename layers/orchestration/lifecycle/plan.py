@@ -5,27 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from cpn.runtime.catalogue import ELASTIC
 from cpn.runtime.config import PS_STRATEGIES
 from layers.control.topology import derive
 from layers.resource.capacity import LinkView
 from layers.service.schemas import MODEL_PRESETS, TrainingJobSpec, strategy_knobs
 
 
-def _elastic() -> frozenset[str]:
-    """Strategies that go on without a lost site: the runtime's own classes say so (one source)."""
-    from cpn.runtime.strategies import STRATEGIES, strategy_class
-
-    return frozenset(name for name in STRATEGIES if strategy_class(name).elastic)
-
-
-ELASTIC = _elastic()
-
-
 def survives_site_loss(topo: dict[str, Any], train: dict[str, Any]) -> bool:
     """Whether the attempt goes on when a site is lost, as the runtime decides it for this config on
     this topology (a pipeline with D ≥ 2 replicas averaged every H > 1 steps does; one source)."""
+    from cpn.runtime.catalogue import survives_site_loss as runtime_rule
     from cpn.runtime.config import TrainConfig
-    from cpn.runtime.strategies import survives_site_loss as runtime_rule
     from cpn.runtime.topology import Topology
 
     try:
