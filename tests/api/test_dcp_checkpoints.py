@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -157,3 +158,25 @@ async def test_retention_keeps_or_drops_a_sharded_step_whole_and_never_offers_a_
     assert held == {"step-00000003": whole, "step-00000004": sorted(set(whole) - {"dcp-1-0.distcp"})}, held
     await put(4, "__1_0.distcp")
     assert await latest_step() == 4
+
+
+async def test_a_shard_whose_save_never_ended_is_left_behind_once_old(api, db, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0's site died in the save: its metadata never reaches the server. Site 1's shard is not
+    uploaded (it may be half written); while young the push says it waits (the run's end retries it),
+    once older than DCP_SAVE_WAIT_SECONDS it is left on the site's disk and the push ends."""
+    await _world(api)
+    contract = await started(api, db, "dead")
+    server = str(api.client.make_url("")).rstrip("/")
+    shard = checkpoint.step_dir(tmp_path, STEP) / "__1_0.distcp"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"half")
+    sync = jobrunner.CheckpointSync(tmp_path, (b := _spec(contract, server, 1, 1)), jobrunner._client(b))
+    with pytest.raises(jobrunner.DcpSavePending):
+        await asyncio.to_thread(sync.push)
+    old = shard.stat().st_mtime - jobrunner.DCP_SAVE_WAIT_SECONDS - 1
+    os.utime(shard, (old, old))
+    await asyncio.to_thread(sync.push)
+    assert sync.sent == {}
+    resp = await api.client.get(f"/api/v1/jobs/alice%2Fdead/checkpoints/step-{STEP:08d}/__1_0.distcp",
+                                headers={"Authorization": f"Bearer {contract['worker_token']}"})
+    assert resp.status == 404
