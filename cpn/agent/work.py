@@ -246,6 +246,8 @@ class WorkLoop:
     async def _report(self, run: Run, state: SubtaskState) -> None:
         body = {"phase": state.phase, "message": state.message[:2000],
                 "exitCodes": {k: v for k, v in state.exit_codes.items() if v is None or isinstance(v, int)}}
+        if run.spec.devices is not None:
+            body["devices"] = run.spec.devices.ids
         try:
             await self._call("post", f"/api/v1/subtasks/{run.uid}/status", json=body)
         except ApiError as exc:

@@ -14,6 +14,7 @@ import pytest
 
 from cpn.agent.devices import DevicePool
 from cpn.agent.work import WorkLoop
+from cpn.cli.ctl.output import describe
 from cpn.runtime.contract import AttemptSpec, Devices, Endpoint, worker_env
 from cpn.runtime.device import select_device
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
@@ -116,6 +117,11 @@ async def test_two_jobs_get_disjoint_devices_and_a_restarted_agent_gives_a_third
         restarted.close()
     c = set(site.visible["alice/third"][0].split(","))
     assert c == {str(i) for i in range(8)} - a - b, (a, b, c)
+    resp = await api.client.get("/api/v1/jobs/first/subtasks", headers=api.auth("alice"))
+    (item,) = (await resp.json())["items"]
+    assert set(item["status"]["devices"]) == a  # reported by the agent: `cpnctl describe job` shows it
+    assert ",".join(item["status"]["devices"]) in describe({"kind": "TrainingJob", "metadata": {"name": "first"},
+                                                             "subtasks": [item]})
 
 
 def _spec(workers: int, subtask: str = "alice/x-box-8") -> AttemptSpec:

@@ -179,7 +179,7 @@ def describe(obj: dict[str, Any]) -> str:
         lines.append("Sub-tasks:")
         rows = [_subtask_row(t) for t in obj["subtasks"]]
         lines.extend("  " + line for line in format_rows(["NAME", "ATTEMPT", "SITE", "CLUSTER", "GPUS", "PHASE",
-                                                          "LAUNCHES"], rows).splitlines())
+                                                          "LAUNCHES", "DEVICES"], rows).splitlines())
     if obj.get("metrics"):
         lines.append("Metrics:")
         lines.extend("  " + line for line in metric_lines(obj["metrics"]))
@@ -216,7 +216,7 @@ def metric_lines(metrics: dict[str, Any]) -> list[str]:
 def _subtask_row(t: dict[str, Any]) -> list[str]:
     spec, st = t.get("spec") or t, t.get("status") or t
     return [str(dig(t, "metadata.name")), *(scalar(spec.get(k, "-")) for k in ("attempt", "site", "cluster", "gpus")),
-            scalar(st.get("phase", "-")), scalar(st.get("launches", "-"))]
+            scalar(st.get("phase", "-")), scalar(st.get("launches", "-")), ",".join(st.get("devices") or []) or "-"]
 
 
 def scalar(value: Any) -> str:

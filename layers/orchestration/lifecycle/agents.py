@@ -49,6 +49,8 @@ class SubtaskReport(_Body):
     phase: Literal["Launching", "Running", "Succeeded", "Failed", "Cancelled", "Lost"]
     message: str = Field(default="", max_length=2000)
     exit_codes: dict[str, Integer | None] = Field(default_factory=dict, alias="exitCodes", max_length=4096)
+    devices: list[str] | None = Field(default=None, max_length=4096, description="the device indices the "
+                                      "site's agent gave the sub-task's workers (CUDA_VISIBLE_DEVICES)")
 
 
 class LogLineIn(_Body):
@@ -67,7 +69,7 @@ def view(t: SubtaskRow) -> dict[str, Any]:
             "spec": {"job": t.job, "attempt": t.attempt, "cluster": t.cluster, "site": t.site, "gpus": t.gpus,
                      "driver": t.driver, "desired": t.desired, "firstRank": t.first_rank},
             "status": {"phase": t.phase, "launches": t.launches, "message": t.message,
-                       "exitCodes": t.exit_codes or {},
+                       "exitCodes": t.exit_codes or {}, "devices": (t.handle or {}).get("devices"),
                        "claimedAt": t.claimed_at.isoformat() if t.claimed_at else None,
                        "reportedAt": t.reported_at.isoformat() if t.reported_at else None}}
 
@@ -214,7 +216,8 @@ async def report(s: AsyncSession, principal: Principal, uid: str, body: SubtaskR
         return t
     t.reported = body.phase
     t.exit_codes = dict(body.exit_codes)
-    t.handle = {**(t.handle or {}), "message": body.message}
+    t.handle = {**(t.handle or {}), "message": body.message,
+                **({"devices": [d[:32] for d in body.devices]} if body.devices else {})}
     t.reported_at = datetime.now(UTC)
     if t.desired == "Stop" and body.phase in DONE and t.phase not in DONE:  # a confirmed stop needs no reconciling
         t.phase, t.finished_at = body.phase, t.reported_at
