@@ -16,10 +16,12 @@ rank sent intra-site and across the WAN by the algorithm's own count (ring colle
   with every site its own region it moves what ``hierarchical`` moves.  Compression is per level:
   ``multilevel+int8`` compresses the slowest level, ``multilevel+fp16/int8`` metro fp16, long-haul int8.
 
-Compression (``fp16``/``bf16``/``int8``) applies to the WAN leg only (to everything for ``flat``,
+Compression (``fp16``/``bf16``/``int8``/``int4``/``topk``) applies to the WAN leg only (to everything for ``flat``,
 which has no separate leg).  A compressed all-reduce over P ranks is an ``all_to_all`` of encoded
 1/P parts, a float32 sum of the parts each rank owns, and an ``all_gather`` of the re-encoded sums:
 2(P-1)/P of the *encoded* buffer per rank, so int8 sends 1/4 (+1/64 for scales) of float32.
+The same path carries top-k, which is not additive on the wire: each owner decodes every rank's sparse
+part, sums them in float32 and re-sparsifies the sum (error feedback on both sends).
 
 Devices: buffers, codec work and error feedback stay on the tensors' device. Inside a site NCCL
 moves CUDA tensors; when a WAN group is Gloo (``Groups.wan_staged``) only the WAN leg's wire
