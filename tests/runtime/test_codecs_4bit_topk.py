@@ -13,6 +13,7 @@ from cpn.runtime.collectives import allreduce
 from cpn.runtime.costmodel import WIRE_BYTES_PER_VALUE, wire_ratio
 from cpn.runtime.groups import init_groups, shutdown
 from cpn.runtime.launcher import launch
+from cpn.runtime.sharding import cross_site_average
 from cpn.runtime.topology import Topology
 from cpn.runtime.train import run_local
 
@@ -116,6 +117,14 @@ def _allreduce_worker() -> list[tuple[float, int]]:
         exact = sum(total)
         stats = allreduce(x, algorithm=ALGORITHMS[i][0])
         out.append((float((x - exact).norm() / exact.norm()), stats.wan_bytes))
+    for name in ("int4", "topk:0.5"):  # the sharded strategies' cross-site average (cpn/runtime/sharding.py)
+        torch.manual_seed(g.rank)
+        x = torch.randn(64 * 100)
+        total = [torch.zeros_like(x) for _ in range(g.world_size)]
+        torch.distributed.all_gather(total, x)
+        sent = cross_site_average([x], g, codec_name=name, ef=ErrorFeedback())
+        mean = sum(total) / g.world_size
+        out.append((float((x - mean).norm() / mean.norm()), sent))
     shutdown()
     return out
 
@@ -134,6 +143,10 @@ def test_allreduce_sums_every_rank_through_int4_and_topk() -> None:
             err, wan = rank[i]
             assert err < bound, (algorithm, err)
             assert wan == 2 * (p - 1) * wire, (algorithm, wan, wire)
+    for j, (name, bound) in enumerate((("int4", 0.2), ("topk:0.5", 0.8))):
+        for rank in results:
+            err, sent = rank[len(ALGORITHMS) + j]
+            assert err < bound and sent == get_codec(name).wire_bytes(64 * 100), (name, err, sent)
 
 
 @pytest.mark.slow
