@@ -8,7 +8,7 @@ Desired state (`SubtaskRow.desired`) is written by the reconciler only; reported
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
+from cpn.core.db import as_utc
 from cpn.core.phases import SUBTASK_DONE, SubtaskPhase
 from cpn.core.principal import Principal, Role
 from cpn.runtime.contract import AttemptSpec, CodeRef, DataRef, Endpoint, Integer
@@ -34,6 +35,9 @@ DONE = SUBTASK_DONE
 MAX_LOG_LINE = 4000
 MAX_RANK = 10**9  # a worker's global rank, as the logs store it (a 32-bit column; GET …/logs?rank= takes as many)
 LOG_PAGE = 5000  # lines per read: longer logs are read page by page
+# a sub-task's log stays open this long after it ended (its runner ships the last lines after the end);
+# later lines are refused, so nobody writes into a finished job's log (issue 35, L2)
+LOG_GRACE = timedelta(minutes=2)
 
 
 class _Body(BaseModel):
@@ -228,6 +232,8 @@ async def report(s: AsyncSession, principal: Principal, uid: str, body: SubtaskR
 async def append_logs(s: AsyncSession, principal: Principal, uid: str, batch: LogBatch) -> int:
     t = await _load(s, principal, uid)
     now = datetime.now(UTC)
+    if t.finished_at is not None and now - as_utc(t.finished_at) > LOG_GRACE:
+        return 0  # the log closed LOG_GRACE after the sub-task ended
     s.add_all([LogRow(job=t.job, attempt=t.attempt, subtask=t.name, site=t.site, rank=line.rank,
                       line=line.line.replace("\x00", ""), at=now) for line in batch.lines])
     return len(batch.lines)
