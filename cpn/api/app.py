@@ -12,6 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from cpn.api import metrics, middleware, security_headers, state, wiring, workers
+from cpn.api.longpolls import LONG_POLLS, LongPolls
 from cpn.api.routes import resources, system
 from cpn.core.db import Database
 from cpn.core.migrate import upgrade_async
@@ -37,6 +38,7 @@ def create_app(settings: Settings | None = None, db: Database | None = None, *, 
     app[state.BLOBS] = BlobStore.of(settings)
     app[state.KINDS] = wiring.build_registry(settings, app[state.BLOBS])
     app[state.DOCS] = []
+    app[LONG_POLLS] = LongPolls()
     app[middleware.RATE] = ratelimit.limiter_for(app[state.DB], settings.rate_limit_per_minute)
     if migrate:  # a cleanup context, so it runs before the reconciler's (contexts start in order)
         app.cleanup_ctx.append(_migrate)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from cpn.api import state
 from cpn.api.bodies import json_response, read_model
+from cpn.api.longpolls import LONG_POLLS
 from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
@@ -79,14 +80,15 @@ async def list_subtasks(request: web.Request) -> web.Response:
     since = request.query.get("resourceVersion")
     deadline = time.monotonic() + (_int(request, "timeoutSeconds", 20, high=int(WATCH_MAX_SECONDS)) or 0)
     db = request.app[state.DB]
-    while True:
-        async with db.session() as s:
-            rows = await agents.visible(s, principal, cluster=cluster, job=await job_key(s, principal, job),
-                                        active=request.query.get("active") in ("1", "true") or watch)
-            version = await agents.version(s, cluster) if cluster else ""
-        if not watch or version != since or time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(0.5)
+    with request.app[LONG_POLLS].hold(principal, f"cluster {cluster}") if watch else contextlib.nullcontext():
+        while True:
+            async with db.session() as s:
+                rows = await agents.visible(s, principal, cluster=cluster, job=await job_key(s, principal, job),
+                                            active=request.query.get("active") in ("1", "true") or watch)
+                version = await agents.version(s, cluster) if cluster else ""
+            if not watch or version != since or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.5)
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "metadata": {"resourceVersion": version},
                           "items": [agents.view(t) for t in rows]})
 
@@ -222,17 +224,18 @@ async def get_logs(request: web.Request) -> web.StreamResponse:
     query = logs.LogQuery(site=_text(request, "site"), rank=_int(request, "rank"),
                           attempt=_int(request, "attempt", low=1), tail=_int(request, "tail", high=logs.MAX_TAIL),
                           follow=request.query.get("follow") in ("1", "true"))
-    db = request.app[state.DB]
+    db, principal = request.app[state.DB], principal_of(request)
     async with db.session() as s:
-        cursor = await logs.open_logs(s, principal_of(request), request.match_info["name"], query)
-    response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
-    await response.prepare(request)
-    try:
-        async for chunk in logs.stream(db, cursor):
-            await response.write(chunk.encode())
-        await response.write_eof()
-    except ConnectionResetError:  # the reader left (Ctrl-C on `cpnctl logs -f`): nothing to answer, no error
-        pass
+        cursor = await logs.open_logs(s, principal, request.match_info["name"], query)
+    with request.app[LONG_POLLS].hold(principal, f"job {cursor.job}") if query.follow else contextlib.nullcontext():
+        response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
+        await response.prepare(request)
+        try:
+            async for chunk in logs.stream(db, cursor):
+                await response.write(chunk.encode())
+            await response.write_eof()
+        except ConnectionResetError:  # the reader left (Ctrl-C on `cpnctl logs -f`): nothing to answer
+            pass
     return response
 
 
