@@ -287,7 +287,7 @@ def test_a_rank_that_never_posts_its_speed_costs_one_timeout_not_one_per_window(
     cfg = tiny("diloco", balance=True, wan_timeout_seconds=2.0)
     ctx = SimpleNamespace(busy_seconds=0.0, sequences_done=0, store=store, groups=SimpleNamespace(world_size=3),
                           rank=0, shares=None, micro_batch=None, timers=Timers(), step_walls=[])
-    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx, idle_trial=IdleTrial(), may_idle=False)
+    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx, idle_trial=IdleTrial(), may_idle=False, sharded=False)
     posts = dist.PrefixStore("cpn/balance", store)
     Strategy.rebalance(rank0, 1)  # the first window starts
     ctx.busy_seconds, ctx.sequences_done = 1.0, 10
@@ -298,7 +298,7 @@ def test_a_rank_that_never_posts_its_speed_costs_one_timeout_not_one_per_window(
     # rank 2 was only late: it finds every speed posted, yet takes the window's verdict, as rank 0 did
     late_ctx = SimpleNamespace(**{**vars(ctx), "rank": 2, "shares": None, "timers": Timers()})
     late = SimpleNamespace(balanced=True, cfg=cfg, ctx=late_ctx, _window=(0.0, 0), idle_trial=IdleTrial(),
-                           may_idle=False)
+                           may_idle=False, sharded=False)
     late_ctx.busy_seconds, late_ctx.sequences_done = 1.0, 10
     Strategy.rebalance(late, 5)
     assert late_ctx.shares is None and late._silent == {2}
@@ -331,7 +331,7 @@ def test_balance_windows_do_not_wait_for_the_sites_the_exchange_dropped() -> Non
     store.set("cpn/wan/dropped", json.dumps([2]))  # what the coordinator's last check-in recorded
     ctx = SimpleNamespace(busy_seconds=0.0, sequences_done=0, store=store, groups=groups, rank=0, shares=None,
                           micro_batch=None, timers=Timers(), step_walls=[])
-    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx, idle_trial=IdleTrial(), may_idle=False)
+    rank0 = SimpleNamespace(balanced=True, cfg=cfg, ctx=ctx, idle_trial=IdleTrial(), may_idle=False, sharded=False)
     Strategy.rebalance(rank0, 1)
     ctx.busy_seconds, ctx.sequences_done = 1.0, 20  # rank 0: 20 sequences per busy second
     dist.PrefixStore("cpn/balance", store).set("5/1", "5.0")
@@ -343,7 +343,7 @@ def test_balance_windows_do_not_wait_for_the_sites_the_exchange_dropped() -> Non
     late_ctx = SimpleNamespace(**{**vars(ctx), "rank": 1, "shares": None, "timers": Timers()})
     store.set("cpn/wan/dropped", json.dumps([]))  # site 2 checked in again meanwhile: the verdict still stands
     late = SimpleNamespace(balanced=True, cfg=cfg, ctx=late_ctx, _window=(0.0, 0), idle_trial=IdleTrial(),
-                           may_idle=False)
+                           may_idle=False, sharded=False)
     late_ctx.busy_seconds, late_ctx.sequences_done = 1.0, 5
     started = time.monotonic()
     Strategy.rebalance(late, 5)
