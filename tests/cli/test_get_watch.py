@@ -37,7 +37,10 @@ def test_get_watch_prints_a_changed_cluster_again(live_server) -> None:
     exe = Path(sys.executable).parent / "cpnctl"
     proc = subprocess.Popen([str(exe), "get", "clusters", "-w", "--watch-interval", "0.3"],
                             env={**live_server.env, "CPN_SERVER": live_server.url, "CPN_TOKEN": provider},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a Ctrl-C from a terminal: a suite started in the background (`pytest &`) passes
+                            # SIGINT down ignored, and Python then never turns it into KeyboardInterrupt
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = _lines_until(proc, "fra-h100")
         assert first[0].split()[:2] == ["NAME", "READY"], first
