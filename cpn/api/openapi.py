@@ -11,7 +11,7 @@ from pydantic.json_schema import models_json_schema
 
 import cpn
 from cpn.core import errors, selector
-from layers.orchestration.lifecycle import agents, checkpoints
+from layers.orchestration.lifecycle import agents, checkpoints, metric_series
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,14 @@ QUERY: dict[str, dict[str, Any]] = {
     "rank": {"type": "integer", "minimum": 0, "maximum": agents.MAX_RANK},
     "attempt": {"type": "integer", "minimum": 1, "maximum": 10**9},
     "tail": {"type": "integer", "minimum": 0, "maximum": 100_000},
+    "maxPoints": {"type": "integer", "minimum": metric_series.MIN_POINTS, "maximum": metric_series.MAX_POINTS,
+                  "description": "Downsample the run to about this many points"},
+    "sinceAttempt": {"type": "integer", "minimum": 0, "maximum": 10**9,
+                     "description": "Cursor: the attempt of the last report already held"},
+    "sinceStep": {"type": "integer", "minimum": -1, "maximum": 2**63 - 1,
+                  "description": "Cursor: the step of the last report already held (-1: none)"},
+    "maxReports": {"type": "integer", "minimum": 0, "maximum": metric_series.PAGE_ROWS,
+                   "description": "At most this many raw reports after the cursor"},
 }
 FREE_TEXT = {"type": "string", "pattern": "^[^\\x00]*$", "maxLength": 512}
 NO_NUL = "^[^\\x00]*$"
@@ -144,7 +152,7 @@ def validate_query(doc: RouteDoc, query: Any) -> None:
                 selector.parse_selector(raw)  # linear, and says what is wrong; never the backtracking pattern
                 continue
             if schema.get("type") == "integer":
-                ok = bool(re.fullmatch(r"-?[0-9]{1,12}", raw)) and schema["minimum"] <= int(raw) <= schema["maximum"]
+                ok = bool(re.fullmatch(r"-?[0-9]{1,19}", raw)) and schema["minimum"] <= int(raw) <= schema["maximum"]
             else:
                 ok = (len(raw) <= schema.get("maxLength", 1 << 30)
                       and ("enum" not in schema or raw in schema["enum"])
