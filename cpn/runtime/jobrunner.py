@@ -327,13 +327,14 @@ class Jail:
     cover: dict[Path, list[Path]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, job_dir: Path) -> Jail:
+    def of(cls, job_dir: Path, data_uri: str | None = None) -> Jail:
+        """``data_uri``: the site's dataset replica; a local one's folder is bound in too."""
         run_as = sandbox.RunAs.parse(os.environ.get(sandbox.ENV_RUN_AS))
         if run_as is None:
             return cls()
         home = sandbox.own(job_dir / "home", run_as, 0o700, user=True)
         sandbox.own(home / "tmp", run_as, 0o700, user=True)
-        return cls(run_as, home, sandbox.views(sandbox.needed_paths(job_dir)))
+        return cls(run_as, home, sandbox.views(sandbox.needed_paths(job_dir, sandbox.local_data(data_uri))))
 
     def preexec(self, cwd: Path) -> Any:
         if self.run_as is None:
@@ -429,7 +430,7 @@ def supervise(spec: AttemptSpec, run_dir: Path, job_dir: Path | None = None, *, 
     reports for it: 0 when every worker succeeded, else the first failed worker's (128+N for signal N)."""
     client = _client(spec)
     job_dir = job_dir or run_dir.parent.parent  # local: one folder per job, shared by its attempts
-    jail = Jail.of(job_dir)
+    jail = Jail.of(job_dir, spec.data.uri if spec.data is not None else None)
     ckpt = sandbox.own(job_dir / "checkpoints", jail.run_as, 0o2770)
     sync, keep = CheckpointSync(ckpt, spec, client), checkpoint.keep_from_env()
     spec, note = _prepare(spec, sync)

@@ -208,10 +208,20 @@ def worker_base(environ: dict[str, str], home: Path | None) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------ the workers' side
-def needed_paths(job_dir: Path) -> list[Path]:
-    """What a worker must reach: Python, its import path, the job's folder."""
+def local_data(uri: str | None) -> list[Path]:
+    """The folder of a dataset replica on this machine's disk (an absolute path or ``file://`` URI), else none."""
+    if not uri or ("://" in uri and not uri.startswith("file://")):
+        return []
+    path = Path(uri[len("file://"):] if uri.startswith("file://") else uri.removeprefix("file:"))
+    if not path.is_absolute() or not path.exists():
+        return []
+    return [path if path.is_dir() else path.parent]
+
+
+def needed_paths(job_dir: Path, extra: list[Path] | None = None) -> list[Path]:
+    """What a worker must reach: Python, its import path, the job's folder (and `extra`: its dataset's)."""
     paths = {Path(sys.executable).resolve().parent, Path(sys.prefix), Path(sys.base_prefix),
-             Path(sys.exec_prefix), job_dir}
+             Path(sys.exec_prefix), job_dir, *(extra or [])}
     paths |= {Path(p) for p in sys.path if p and Path(p).is_dir()}
     return sorted({p.resolve() for p in paths if p.exists()})
 
