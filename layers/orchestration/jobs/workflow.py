@@ -224,37 +224,42 @@ async def price_options(session: AsyncSession, spec: TrainingJobSpec, t: Timeout
     need = await data.need_probed(session, *owner, spec.dataset, extra[data.PROBE_TAG]) if owner is not None else None
     learned = await learning.load_at(session, extra[learning.STAMP_TAG])  # what finished runs taught
     req = replace(requirements(spec, now), learned=learned, data=need, profiled=profile.profiled(profiled))
-    offers, wan = planner_inputs_of(market, spec.currency)
-    links = market.links
-    plans = await asyncio.get_running_loop().run_in_executor(_PLANNER, functools.partial(
-        placement.quote_options, req, offers, wan, objective(spec), solver=solver_for(len(offers))))
-    region_of, sellers, link_prices, link_owners = pricing_inputs(market)
-    rows, refused = [], []
-    for label, plan in plans.items():
-        pred = plan.prediction
-        lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices,
-                                    link_owners)
-        lines += pricing.data_transfer_lines(data_transfers(plan), sellers)
-        placement_lines = [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
-                            "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage}),
-                            **({} if a.replica is None else {"replica": a.replica})}
-                           for a in plan.assignments]
-        prediction = prediction_dict(pred)
-        reason, train = _unrunnable(spec, plan.strategy, placement_lines, plan.ring, links, memory_of(prediction))
-        if reason is not None:  # never offer what the workers would refuse
-            refused.append(f"{label} ({plan.strategy} on {'+'.join(str(a.gpus) for a in plan.assignments)}"
-                           f" GPUs): {reason}")
-            continue
-        trains = {} if train is None else {"trains": {"tokens": train["tokens"],
-                                                      "globalBatchTokens": train["global_batch_tokens"],
-                                                      "note": budget_note(spec, train)}}
-        basis = {"basis": "modelled"} if req.profiled is None or profiled is None else {
-            "basis": "profiled", "profile": profile.figure(profiled, pred.steps, pred.step_seconds)}
-        rows.append(quotes_mod.new_quote(
-            job_id, label, placement=placement_lines, strategy=plan.strategy, ring=plan.ring,
-            prediction={**prediction, **trains, **basis, "dataSeconds": pred.data_seconds,
-                        "dataTransfer": data.lines_info(pred.data_moves)}, predicted_seconds=pred.total_seconds, wan_gb=pred.wan_bytes / 1e9,
-            lines=lines, total=pricing.total(lines), currency=spec.currency, ttl=t.quote_ttl, now=now))
+    # the inputs, the plans and their pricing are pure computation: all of it on a planner thread (the
+    # first quote on a large world held the loop for seconds when only the planning ran there)
+    def plan_and_price() -> tuple[list[QuoteRow], list[str]]:
+        offers, wan = planner_inputs_of(market, spec.currency)
+        links = market.links
+        plans = placement.quote_options(req, offers, wan, objective(spec), solver=solver_for(len(offers)))
+        region_of, sellers, link_prices, link_owners = pricing_inputs(market)
+        rows, refused = [], []
+        for label, plan in plans.items():
+            pred = plan.prediction
+            lines = pricing.price_lines(pred.gpu_seconds_by_cluster, pred.egress_bytes_by_link, sellers, link_prices,
+                                        link_owners)
+            lines += pricing.data_transfer_lines(data_transfers(plan), sellers)
+            placement_lines = [{"cluster": a.cluster, "site": a.site, "gpus": a.gpus, "gpuModel": a.gpu_model,
+                                "region": region_of[a.cluster], **({} if a.stage is None else {"stage": a.stage}),
+                                **({} if a.replica is None else {"replica": a.replica})}
+                               for a in plan.assignments]
+            prediction = prediction_dict(pred)
+            reason, train = _unrunnable(spec, plan.strategy, placement_lines, plan.ring, links, memory_of(prediction))
+            if reason is not None:  # never offer what the workers would refuse
+                refused.append(f"{label} ({plan.strategy} on {'+'.join(str(a.gpus) for a in plan.assignments)}"
+                               f" GPUs): {reason}")
+                continue
+            trains = {} if train is None else {"trains": {"tokens": train["tokens"],
+                                                          "globalBatchTokens": train["global_batch_tokens"],
+                                                          "note": budget_note(spec, train)}}
+            basis = {"basis": "modelled"} if req.profiled is None or profiled is None else {
+                "basis": "profiled", "profile": profile.figure(profiled, pred.steps, pred.step_seconds)}
+            rows.append(quotes_mod.new_quote(
+                job_id, label, placement=placement_lines, strategy=plan.strategy, ring=plan.ring,
+                prediction={**prediction, **trains, **basis, "dataSeconds": pred.data_seconds,
+                            "dataTransfer": data.lines_info(pred.data_moves)}, predicted_seconds=pred.total_seconds, wan_gb=pred.wan_bytes / 1e9,
+                lines=lines, total=pricing.total(lines), currency=spec.currency, ttl=t.quote_ttl, now=now))
+        return rows, refused
+
+    rows, refused = await asyncio.get_running_loop().run_in_executor(_PLANNER, plan_and_price)
     if not rows and refused:
         raise errors.Infeasible("no placement can run: " + "; ".join(refused), field=_field_of(refused[0]))
     return quotes_mod.true_labels(rows)
