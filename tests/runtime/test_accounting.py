@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -74,6 +75,7 @@ def _failures(results: list[list[str]]) -> list[str]:
     return sorted({p for per_rank in results for p in per_rank})
 
 
+@pytest.mark.serial  # its forked workers hung once under xdist's threaded worker (CI, 2026-11-28): run alone
 def test_counts_match_sockets_without_emulation(run_workers) -> None:
     assert not _failures(run_workers(2, 2, accounting_worker))
     assert not _failures(run_workers(1, 3, accounting_worker))
