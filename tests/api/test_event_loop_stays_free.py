@@ -37,6 +37,7 @@ def _world(url: str, token: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # it times /healthz: CI runs it alone, after the two-worker run
 def test_no_request_holds_the_event_loop_a_second(live_server) -> None:  # type: ignore[no-untyped-def]
     _world(live_server.url, live_server.token("prov", "provider"))
     user = {"Authorization": f"Bearer {live_server.token('mallory', 'user')}"}
