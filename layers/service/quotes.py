@@ -47,8 +47,8 @@ def true_labels(rows: list[QuoteRow]) -> list[QuoteRow]:
     USD against 6 min 38 s at 0.10 USD). A label missing from `rows` (refused) stays missing."""
     if not rows:
         return rows
-    cost_first = min(rows, key=lambda q: (q.total, q.predicted_seconds))
-    time_first = min(rows, key=lambda q: (q.predicted_seconds, q.total))
+    cost_first = min(rows, key=lambda q: (q.total, _exact(q), q.predicted_seconds))  # totals equal to the cent:
+    time_first = min(rows, key=lambda q: (q.predicted_seconds, q.total, _exact(q)))  # the lines' own amounts
     best = {"cheapest": cost_first, "fastest": time_first}
     out = []
     for q in rows:
@@ -57,6 +57,11 @@ def true_labels(rows: list[QuoteRow]) -> list[QuoteRow]:
             pick = next((o for o in (cost_first, time_first) if _dominates(o, q)), q)
         out.append(q if pick is q else _relabelled(pick, q.label))
     return out
+
+
+def _exact(q: QuoteRow) -> Decimal:
+    """The quote's lines summed unrounded (a sub-cent job's totals all read 0.00)."""
+    return sum((Decimal(str(line.get("amount", 0))) for line in q.lines or []), Decimal(0))
 
 
 def _dominates(a: QuoteRow, b: QuoteRow) -> bool:
