@@ -192,11 +192,22 @@ def _fork(env: dict[str, str], log_path: Path | None) -> _Forked:
             sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(env)
+        _one_thread_after_fork(env)
         code = _worker_main()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _one_thread_after_fork(env: Mapping[str, str]) -> None:
+    """A forked worker honours its ``OMP_NUM_THREADS`` (1): the variable is read when OpenMP starts, which in a
+    fork was in the parent, so the child would run the parent's intra-op pool -- threads the fork did not copy
+    (GNU OpenMP is not fork-safe) and, where it works, 3 ranks x 2 threads on 2 cores. PyTorch's DataLoader
+    sets its forked workers to one thread for the same reason."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1") or 1)))
 
 
 def _worker_env(

@@ -109,6 +109,9 @@ def hung_at(log: str) -> str | None:
     installed packages (torch) of the thread that wrote the stacks (the main one), from the dump the
     launcher asks for; None without a dump."""
     head = max(log.rfind("Current thread 0x"), log.rfind("Stack (most recent call first)"))
+    if head < 0:  # the signal landed on a thread Python does not run (Gloo's): every thread is "Thread 0x..."
+        heads = [m.start() for m in re.finditer(r"^Thread 0x", log, re.M)]
+        head = _main_thread_dump(log, heads)
     if head < 0:
         return None
     frames = [m for m in map(_FRAME.match, log[head:].splitlines()[1:]) if m]
@@ -117,6 +120,14 @@ def hung_at(log: str) -> str | None:
     own = [m for m in frames if not m["path"].startswith(_LIBRARY) or "/cpn/" in m["path"]]
     m = (own or frames)[0]
     return f"{m['func']} ({Path(m['path']).name}:{m['line']})"
+
+
+def _main_thread_dump(log: str, heads: list[int]) -> int:
+    """Of the dumped threads, the last whose stack holds the worker's entry (the main thread); -1 if none."""
+    for h in reversed(heads):
+        if "_worker_main" in log[h:].split("\n\n", 1)[0]:
+            return h
+    return heads[-1] if heads else -1
 
 
 def failure_lines(results: list, planned: set[int], timeout: float | None = None) -> list[str]:
