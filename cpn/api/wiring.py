@@ -13,6 +13,7 @@ from layers.orchestration.identity import kinds as identity_kinds
 from layers.orchestration.jobs import data as job_data
 from layers.orchestration.jobs import kinds as job_kinds
 from layers.orchestration.jobs.workflow import Timeouts
+from layers.orchestration.quotas import kinds as quota_kinds
 from layers.resource import bundles, datasets
 from layers.resource import kinds as resource_kinds
 from layers.resource.blobs import BlobStore
@@ -23,6 +24,7 @@ def build_registry(settings: Settings, blobs: BlobStore) -> KindRegistry:
     registry.register(identity_kinds.kind())
     resource_kinds.register(registry, timedelta(seconds=settings.heartbeat_timeout_seconds), leases.holders)
     datasets.register(registry, job_data.readers)
+    quota_kinds.register(registry)
     job_kinds.register(registry, Timeouts.of(settings), lambda owner, digest: bundles.exists(blobs, owner, digest))
     return registry
 

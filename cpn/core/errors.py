@@ -11,7 +11,8 @@
      ├── Conflict                 409 conflict
      │    ├── AlreadyExists       409 already_exists
      │    ├── StaleVersion        409 stale
-     │    └── InUse               409 in_use
+     │    ├── InUse               409 in_use
+     │    └── QuotaExceeded       409 quota_exceeded (names the quota, its limit, what is used)
      ├── RateLimited              429 rate_limited
      └── Unavailable              503 unavailable    (with Retry-After; also what `unavailable()` makes
                                                       of a database or disk error the code did not expect)
@@ -91,6 +92,13 @@ class StaleVersion(Conflict):
 
 class InUse(Conflict):
     code = "in_use"
+
+
+class QuotaExceeded(Conflict):
+    """An accept that would take an account or a team past one of its quotas. ``details``: quota, boundTo,
+    resource (maxGpus | maxJobs | gpuHoursPerMonth | spendPerMonth), unit, limit, used, requested."""
+
+    code = "quota_exceeded"
 
 
 class RateLimited(CPNError):

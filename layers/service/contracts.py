@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -34,12 +35,18 @@ class Accepted:
     leases: list[LeaseRow]
 
 
+# A check of the orchestration layer's (quotas) made in the accept's transaction before any lease is
+# taken; it raises to refuse. (job, quote, now)
+Admit = Callable[[AsyncSession, JobRow, QuoteRow, datetime], Awaitable[None]]
+
+
 def subtask_name(job: str, cluster: str) -> str:
     return f"{job}-{cluster.replace('/', '-')}"
 
 
 async def accept(session: AsyncSession, principal: Principal, job_name: str, ref: str, *,
-                 heartbeat_timeout: timedelta, lease_ttl: timedelta, now: datetime | None = None) -> Accepted:
+                 heartbeat_timeout: timedelta, lease_ttl: timedelta, now: datetime | None = None,
+                 admit: Admit | None = None) -> Accepted:
     now = now or datetime.now(UTC)
     job = await load_job(session, principal, job_name, lock=True)
     if job.phase != "Quoted":
@@ -49,6 +56,8 @@ async def accept(session: AsyncSession, principal: Principal, job_name: str, ref
         raise QuoteUnavailable(f"quote {quote.label} ({quote.id}) is {quote.state}", field="quote")
     if quotes_mod.expired(quote, now):
         raise QuoteUnavailable(f"quote {quote.label} expired at {quote.expires_at.isoformat()}", field="quote")
+    if admit is not None:
+        await admit(session, job, quote, now)
     contract = ContractRow(job_id=job.id, job=job.name, quote_id=quote.id, account_id=job.owner_id,
                            quoted_total=quote.total, currency=quote.currency, state="active")
     session.add(contract)

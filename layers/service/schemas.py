@@ -555,6 +555,26 @@ class QuoteModelFactors(CamelModel):
         "full: blocks recompute their activations in the backward pass"))
 
 
+class QuotaCheck(CamelModel):
+    """One limit of one quota against one quote: `used` + `requested` must stay within `limit`."""
+
+    quota: str = Field(description="The Quota's name")
+    bound_to: str = Field(description="account/NAME or team/NAME")
+    resource: Literal["maxGpus", "maxJobs", "gpuHoursPerMonth", "spendPerMonth"]
+    unit: str = Field(description="GPUs, jobs, GPU-hours, or the currency of spendPerMonth")
+    used: str = Field(description="Decimal text: held now (GPUs, jobs) or counted this month (GPU-hours, spend)")
+    requested: str = Field(description="What accepting this quote adds")
+    limit: str
+    fits: bool
+
+
+class QuoteQuota(CamelModel):
+    """How a quote stands against the quotas that bind the job's account (its own and its teams')."""
+
+    fits: bool = Field(description="Every check fits: accepting it is not refused for a quota")
+    checks: list[QuotaCheck]
+
+
 class QuotePublic(CamelModel):
     id: str
     label: str
@@ -582,6 +602,8 @@ class QuotePublic(CamelModel):
     confirm: bool = Field(default=False, description="Accepting it asks for confirmation (far above the cheapest)")
     note: str = ""
     predicted_duration: str = ""
+    quota: QuoteQuota | None = Field(default=None, description=(
+        "An open quote: how it stands against the quotas binding the job's account (absent: none binds)"))
 
 
 def ttl(seconds: float) -> timedelta:

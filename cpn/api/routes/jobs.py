@@ -10,9 +10,11 @@ from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
 from cpn.core.db import as_utc
+from cpn.core.store import NS_SEP, split_key
 from layers.control import leases
 from layers.orchestration.events import list_events
 from layers.orchestration.jobs.workflow import Timeouts, accept_quote
+from layers.orchestration.quotas import usage as quotas
 from layers.service import billing
 from layers.service import quotes as quotes_mod
 from layers.service.jobs import JobStore, display_name, job_key, load_job, owned_keys
@@ -27,6 +29,11 @@ async def get_quotes(request: web.Request) -> web.Response:
     if items is None:  # not the common case (see job_quotes_read_once): the full lookup
         async with db.session() as s:
             items = await quotes_mod.job_quotes(s, principal, name)
+    if any(q.get("state") == "open" for q in items):  # how each stands against the owner's quotas
+        async with db.session() as s:
+            owner = (split_key((await load_job(s, principal, name)).name)[0] if principal.is_admin and NS_SEP not in name
+                     else split_key(JobStore().key(principal, name))[0])
+            await quotas.annotate(s, owner or "", items)
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 

@@ -27,6 +27,7 @@ from layers.orchestration.jobs.requirements import objective, planner_inputs_of,
 from layers.orchestration.lifecycle import learning
 from layers.orchestration.lifecycle.plan import attempt_plan, budget_note, memory_of
 from layers.orchestration.planning import placement
+from layers.orchestration.quotas import usage as quotas
 from layers.resource.capacity import inventory
 from layers.service import pricing
 from layers.service import quotes as quotes_mod
@@ -333,7 +334,7 @@ async def accept_quote(db: Database, principal: Principal, job_name: str, ref: s
     try:
         async with db.serialized(), db.session() as session:
             result = await accept(session, principal, job_name, ref, heartbeat_timeout=t.heartbeat,
-                                  lease_ttl=t.lease_ttl)
+                                  lease_ttl=t.lease_ttl, admit=quotas.admit)
             await check_runnable(session, result, t)  # raising rolls the accept back: nothing is half-written
             await record_event(session, result.job.name, "Normal", "Reserved",
                                f"Quoted → Accepted → Reserved with quote {result.quote.label}: "
