@@ -28,6 +28,12 @@ class Ctx:
             self._client = Client(target.server or "", target.token)
         return self._client
 
+    def new_client(self) -> Client:
+        """A second client to the same server, for a thread of its own (`run --follow` polls progress while
+        the main thread streams logs); the caller closes it."""
+        target = config.resolve(self.server, self.token, self.context)
+        return Client(target.server or "", target.token)
+
     def qualified(self, name: str | None) -> str | None:
         """A job's name as the server reads it: NAMESPACE/NAME under -n, else as given."""
         if not name or not self.namespace or "/" in name:

@@ -1,17 +1,19 @@
-"""Job verbs: accept a quote, cancel, wait with a progress bar, logs, top."""
+"""Job verbs: accept a quote, cancel, wait with a progress bar, logs, top, and run (apply + accept + follow)."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
 import click
 
 from cpn.cli.ctl import output
-from cpn.cli.ctl.commands.resources import OUTPUT
+from cpn.cli.ctl.commands.resources import OUTPUT, apply_documents, read_documents
 from cpn.cli.ctl.context import Ctx, pass_ctx
 from cpn.cli.ctl.main import cli
 from cpn.client import ApiError
@@ -26,19 +28,28 @@ from cpn.core.phases import JOB_TERMINAL
 @pass_ctx
 def accept(obj: Ctx, job: str, quote: str, fmt: str) -> None:
     """Accept a quote for JOB: signs the contract and reserves the GPUs."""
+    result = accept_quote(obj, job, quote)
+    if fmt in ("json", "yaml"):
+        click.echo(output.dump(result, fmt))
+        return
+    click.echo(accepted_line(job, quote, result))
+
+
+def accept_quote(obj: Ctx, job: str, quote: str) -> dict[str, Any]:
+    """POST …/accept; a quote JOB does not have is one line with the labels it has."""
     try:
-        result = obj.client.post(f"/api/v1/jobs/{obj.ref(job)}/accept", json={"quote": quote})
+        return obj.client.post(f"/api/v1/jobs/{obj.ref(job)}/accept", json={"quote": quote})
     except ApiError as exc:
         if exc.status == 404 and exc.field == "quote":
             raise click.ClickException(_no_such_quote(obj, job, quote)) from exc
         raise
-    if fmt in ("json", "yaml"):
-        click.echo(output.dump(result, fmt))
-        return
+
+
+def accepted_line(job: str, quote: str, result: dict[str, Any]) -> str:
     leases = ", ".join(f"{lease['gpus']}×{lease['cluster']}" for lease in result["status"].get("leases", []))
     price = result["status"].get("price", {})
-    click.echo(f"trainingjob/{job} accepted ({quote}): {result['status']['phase']}; leased {leases}; "
-               f"quoted {price.get('total')} {price.get('currency')}")
+    return (f"trainingjob/{job} accepted ({quote}): {result['status']['phase']}; leased {leases}; "
+            f"quoted {price.get('total')} {price.get('currency')}")
 
 
 def _no_such_quote(obj: Ctx, job: str, quote: str) -> str:
@@ -86,10 +97,16 @@ def logs(obj: Ctx, job: str, site: str | None, follow: bool, rank: int | None, a
         if phase in WAITING_FOR_USER:
             click.echo(f"{job} is {phase}: no worker runs until a quote is accepted (cpnctl accept {job} --quote "
                        "balanced); following from its first attempt, Ctrl-C to stop", err=True)
-    params = {"site": site, "follow": "1" if follow else None, "rank": rank, "attempt": attempt, "tail": tail}
-    for line in obj.client.stream_lines(f"/api/v1/jobs/{obj.ref(job)}/logs",
-                                        params={k: v for k, v in params.items() if v is not None}):
+    for line in stream_logs(obj, job, site=site, follow=follow, rank=rank, attempt=attempt, tail=tail):
         click.echo(line)
+
+
+def stream_logs(obj: Ctx, job: str, *, follow: bool, site: str | None = None, rank: int | None = None,
+                attempt: int | None = None, tail: int | None = None) -> Iterator[str]:
+    """JOB's log lines as the server sends them; with `follow`, until the job ends."""
+    params = {"site": site, "follow": "1" if follow else None, "rank": rank, "attempt": attempt, "tail": tail}
+    yield from obj.client.stream_lines(f"/api/v1/jobs/{obj.ref(job)}/logs",
+                                       params={k: v for k, v in params.items() if v is not None})
 
 
 @cli.command()
@@ -105,9 +122,7 @@ def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
     manifest = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")
     if manifest["status"].get("phase") in WAITING_FOR_USER:
         raise click.ClickException(WAITING_FOR_USER[manifest["status"]["phase"]].format(job=job))
-    # the job's currency before the first metrics bring status.cost (a job is billed in spec.currency)
-    currency = (manifest.get("spec") or {}).get("currency") or (manifest["status"].get("price") or {}).get(
-        "currency") or "USD"
+    currency = job_currency(manifest)
     statuses = _until_done(obj, job, timeout, interval)
     if click.get_text_stream("stdout").isatty():
         with click.progressbar(length=1000, label=job, show_percent=True, show_eta=False,
@@ -118,16 +133,39 @@ def wait(obj: Ctx, job: str, timeout: float, interval: float) -> None:
                 bar.update(max(0, target - done), _progress_text(st, currency))
                 done = max(done, target)
     else:  # a pipe, a CI log: no bar to redraw, so a line whenever the phase or the tens of percent move
-        said = None
+        lines = ProgressLines(job, currency)
         for st in statuses:
-            mark = (st["phase"], int(float((st.get("progress") or {}).get("percent") or 0)) // 10)
-            if mark != said:
-                click.echo(f"{job}: {_progress_text(st, currency, percent=True)}")
-                said = mark
+            lines.show(st)
+    report_end(obj, job)
+
+
+def job_currency(manifest: dict[str, Any]) -> str:
+    """The job's currency before the first metrics bring status.cost (a job is billed in spec.currency)."""
+    return ((manifest.get("spec") or {}).get("currency") or ((manifest.get("status") or {}).get("price") or {}).get(
+        "currency") or "USD")
+
+
+def report_end(obj: Ctx, job: str) -> None:
+    """The ended job's phase and message; exit 1 (a ClickException) unless it Succeeded."""
     st = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")["status"]
     click.echo(f"trainingjob/{job} {st['phase']}: {st.get('message', '')}")
     if st["phase"] != "Succeeded":
         raise click.ClickException(f"{job} ended {st['phase']}")
+
+
+class ProgressLines:
+    """A line whenever the phase or the tens of percent move: for a pipe or a CI log, where no bar can be
+    redrawn, and beside the logs of `run --follow` (on stderr there)."""
+
+    def __init__(self, job: str, currency: str, *, err: bool = False):
+        self.job, self.currency, self.err = job, currency, err
+        self.said: tuple[str, int] | None = None
+
+    def show(self, st: dict[str, Any]) -> None:
+        mark = (st["phase"], int(float((st.get("progress") or {}).get("percent") or 0)) // 10)
+        if mark != self.said:
+            click.echo(f"{self.job}: {_progress_text(st, self.currency, percent=True)}", err=self.err)
+            self.said = mark
 
 
 def _until_done(obj: Ctx, job: str, timeout: float, interval: float) -> Iterator[dict[str, Any]]:
@@ -250,3 +288,125 @@ def cp(obj: Ctx, source: str, dest: str) -> None:
             raise
     partial.replace(target)  # never a half-written model under the user's name
     click.echo(f"job/{name}:final → {target} ({size:,} bytes)")
+
+
+QUOTE_LABELS = ("cheapest", "fastest", "balanced")
+BEFORE_QUOTES = {"Pending", "Profiling"}  # phases that move on to Quoted by themselves
+
+
+@cli.command()
+@click.option("-f", "--filename", "source", required=True,
+              help="A YAML/JSON file with one TrainingJob (and whatever it uses, e.g. its Dataset), or - for stdin.")
+@click.option("--quote", type=click.Choice(QUOTE_LABELS), default="balanced", show_default=True,
+              help="The offer to accept: balanced is the one `get quotes` recommends and `accept` takes by default.")
+@click.option("--max-price", "max_price", default=None, metavar="AMOUNT",
+              help="Accept only if that quote's total is at most AMOUNT in the job's currency; otherwise exit 1 "
+                   "and leave the job Quoted.")
+@click.option("--follow", is_flag=True, help="Then show progress (stderr) and the workers' logs (stdout) until "
+                                             "the job ends; exit 0 if it Succeeded, 1 otherwise.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between two looks at the job (while it is quoted and while following).")
+@pass_ctx
+def run(obj: Ctx, source: str, quote: str, max_price: str | None, follow: bool, interval: float) -> None:
+    """Submit the job in FILE, accept its --quote offer within --max-price, and with --follow stay with it to
+    the end: `apply`, `accept` and `logs -f` plus progress in one command."""
+    cap = _amount(max_price) if max_price is not None else None
+    docs = read_documents(source)
+    jobs = [d for d in docs if obj.kind(str(d.get("kind") or ""))["kind"] == "TrainingJob"] if docs else []
+    if len(jobs) != 1:
+        raise click.ClickException(f"{source}: cpnctl run takes one TrainingJob, found {len(jobs)} (apply the "
+                                   "others with cpnctl apply -f)")
+    result = apply_documents(obj, docs, source)
+    for item in result["items"]:
+        click.echo(f"{item['kind'].lower()}/{item['name']} {item['action']}")
+    name = next(i["name"] for i in result["items"] if i["kind"] == "TrainingJob")
+    manifest = _quoted(obj, name, interval)
+    phase = manifest["status"]["phase"]
+    if phase in TERMINAL:
+        raise click.ClickException(f"{name} already ended {phase}, nothing new was run: to run it again delete it "
+                                   f"(cpnctl delete job {name}) or give the manifest a new metadata.name")
+    if phase == "Quoted":
+        offer = _offer(obj, name, quote, cap)
+        click.echo(accepted_line(name, quote, accept_quote(obj, name, offer["id"])))
+    else:  # applied before and accepted then: `apply` left it as it was ("unchanged")
+        click.echo(f"trainingjob/{name} was accepted before and is {phase}: no quote accepted now", err=True)
+    if not follow:
+        click.echo(f"follow it: cpnctl wait {name}; cpnctl logs {name} -f", err=True)
+        return
+    _follow(obj, name, job_currency(manifest), interval)
+    report_end(obj, name)
+
+
+def _amount(text: str) -> Decimal:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        value = Decimal("NaN")
+    if not value.is_finite() or value < 0:
+        raise click.ClickException(f"--max-price {text!r}: give an amount such as 2.50 (in the job's currency)")
+    return value
+
+
+def _quoted(obj: Ctx, job: str, interval: float) -> dict[str, Any]:
+    """JOB once it is past being planned or profiled (Quoted, or any later phase)."""
+    told = False
+    while True:
+        manifest = obj.client.get(f"/api/v1/jobs/{obj.ref(job)}")
+        phase = manifest["status"].get("phase")
+        if phase not in BEFORE_QUOTES:
+            return manifest
+        if not told:
+            click.echo(f"{job} is {phase}: waiting for its quotes", err=True)
+            told = True
+        time.sleep(interval)
+
+
+def _offer(obj: Ctx, job: str, label: str, cap: Decimal | None) -> dict[str, Any]:
+    """JOB's open quote labelled `label`, refused in one line when its total is above `cap`."""
+    quotes = [q for q in obj.client.get(f"/api/v1/jobs/{obj.ref(job)}/quotes").get("items", [])
+              if q.get("state") == "open"]
+    offer = next((q for q in quotes if q.get("label") == label), None)
+    if offer is None:
+        raise click.ClickException(_no_such_quote(obj, job, label))
+    total, currency = Decimal(str(offer["price"]["total"])), offer["price"].get("currency", "")
+    if cap is None or total <= cap:
+        return offer
+    cheaper = [q for q in quotes if Decimal(str(q["price"]["total"])) <= cap]
+    instead = (f"the {cheaper[0]['label']} quote costs {cheaper[0]['price']['total']} {currency}: "
+               f"--quote {cheaper[0]['label']}" if cheaper else "raise --max-price or ask for less (spec.tokens, "
+               "spec.budget)")
+    raise click.ClickException(f"{job}: the {label} quote costs {total} {currency}, above --max-price {cap} "
+                               f"{currency}: not accepted, the job stays Quoted ({instead}; all offers: "
+                               f"cpnctl get quotes {job})")
+
+
+def _follow(obj: Ctx, job: str, currency: str, interval: float) -> None:
+    """The job's logs on stdout as they come (the main thread) and a progress line on stderr whenever its
+    phase or tens of percent move (a thread with its own client), until the job ends."""
+    stop = threading.Event()
+    watcher = obj.new_client()
+    lines = ProgressLines(job, currency, err=True)
+
+    def progress() -> None:
+        try:
+            while not stop.is_set():
+                st = watcher.get(f"/api/v1/jobs/{obj.ref(job)}")["status"]
+                lines.show(st)
+                if st["phase"] in TERMINAL:
+                    return
+                stop.wait(interval)
+        except ApiError:  # a lost server: the log stream in the main thread says so
+            return
+        finally:
+            watcher.close()
+
+    thread = threading.Thread(target=progress, name="cpnctl-progress", daemon=True)
+    thread.start()
+    try:
+        for line in stream_logs(obj, job, follow=True):
+            click.echo(line)
+        for _ in _until_done(obj, job, 0, interval):  # the stream ends with the job; should it end early, wait
+            pass
+    finally:
+        stop.set()
+        thread.join(timeout=30)

@@ -262,21 +262,32 @@ def read_documents(source: str) -> list[dict[str, Any]]:
 @pass_ctx
 def apply(obj: Ctx, source: str, dry_run: str, fmt: str) -> None:
     """Create or update every object in FILE, all or nothing."""
-    docs = read_documents(source)
-    if not docs:
-        raise click.ClickException(f"{source}: no objects to apply")
-    for doc in docs:
-        _refuse_non_finite(doc)
-    params = {"dryRun": "true"} if dry_run == "server" else None
-    upload_code(obj.client, docs, source)  # spec.code.path → an uploaded bundle's digest (also for a dry run)
-    result = obj.client.request("POST", "/api/v1/apply", json={"items": docs}, params=params)
+    result = apply_documents(obj, read_documents(source), source, dry=dry_run == "server")
     if fmt in ("json", "yaml"):
         click.echo(output.dump(result, fmt))
         return
     for item in result["items"]:
-        click.echo(f"{item['kind'].lower()}/{item['name']} {item['action']}" + (" (server dry run)" if params else ""))
+        click.echo(f"{item['kind'].lower()}/{item['name']} {item['action']}" + (" (server dry run)" if dry_run ==
+                                                                                  "server" else ""))
         if item.get("quotes"):
             click.echo(output.table(accepted_marked(item["quotes"]), obj.kind("quotes")["columns"]))
+
+
+def apply_documents(obj: Ctx, docs: list[dict[str, Any]], source: str, *, dry: bool = False) -> dict[str, Any]:
+    """POST /api/v1/apply with `docs`: what can be checked here is checked first (numbers JSON carries, each
+    job's code directory and entrypoint), then code is packed and uploaded, then the batch applied; the
+    "code … packed … uploaded" lines are printed only once the server took the batch."""
+    if not docs:
+        raise click.ClickException(f"{source}: no objects to apply")
+    for doc in docs:
+        _refuse_non_finite(doc)
+    # every job's code is checked before any is packed; spec.code.path → the uploaded bundle's digest (dry runs too)
+    notes = upload_code(obj.client, docs, source)
+    result = obj.client.request("POST", "/api/v1/apply", json={"items": docs},
+                                params={"dryRun": "true"} if dry else None)
+    for note in notes:
+        click.echo(note, err=True)
+    return result
 
 
 def _non_finite(value: Any, path: str) -> str | None:
