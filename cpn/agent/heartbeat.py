@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -26,11 +27,14 @@ from cpn.client import ApiError, Client
 from cpn.core.errors import InvalidInput, Unavailable
 from layers.resource import gpus
 from layers.resource.catalog import REGIONS
+from layers.resource.discovery.fabric import local_fabric
 from layers.resource.discovery.kubernetes import DiscoveredPool, discover
 from layers.resource.gpus import CPU_SLOT_TFLOPS
+from layers.resource.schemas import IFNAME_RE, FabricReport, KubernetesRef
 
 log = logging.getLogger("cpn.agent")
 
+NCCL_ENV_KEY = re.compile(r"^(NCCL|GLOO|TORCH_NCCL)_[A-Z0-9_]+$")  # what --nccl-env may set
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,9 +77,14 @@ class AgentConfig:
     """Where local runs live (default ~/.local/share/cpn/agent/<cluster>)."""
     advertise_address: str | None = None
     """Address other sites reach this one at (default: the one used to reach the server)."""
-    namespace: str = "default"
+    namespace: str | None = None
+    """Kubernetes: the namespace of the Jobs (default: the cluster's spec.kubernetes.namespace)."""
     image: str | None = None
-    """Kubernetes: the image pods run when the job names none (spec.image)."""
+    """Kubernetes: the image pods run when the job names none (default: the cluster's spec.kubernetes.image)."""
+    socket_ifname: str | None = None
+    """The interface NCCL and Gloo use at this site (the cluster's spec.fabric.socketIfname wins)."""
+    nccl_env: dict[str, str] = field(default_factory=dict)
+    """Extra NCCL_*/GLOO_*/TORCH_NCCL_* variables for the workers (the cluster's fabric wins)."""
     work: bool = True
     """Claim and run sub-tasks (off: heartbeat only)."""
     keep_runs: bool = False
@@ -91,6 +100,20 @@ class AgentConfig:
         if self.register is not None and not self.local:
             raise InvalidInput("--register works with --local; create Kubernetes clusters with cpnctl apply",
                                field="register")
+        if self.socket_ifname is not None and not re.match(IFNAME_RE, self.socket_ifname):
+            raise InvalidInput(f"--socket-ifname {self.socket_ifname!r} is not an interface name (e.g. eth0, ib0)",
+                               field="socketIfname")
+        for key in self.nccl_env:
+            if not NCCL_ENV_KEY.match(key):
+                raise InvalidInput(f"--nccl-env {key}: only NCCL_*, GLOO_* and TORCH_NCCL_* variables, e.g. "
+                                   "--nccl-env NCCL_IB_TIMEOUT=22", field="ncclEnv")
+
+    def network_env(self) -> dict[str, str]:
+        """The workers' network variables this agent adds (local runs; pods get them from the driver)."""
+        env = dict(self.nccl_env)
+        if self.socket_ifname:
+            env |= {"NCCL_SOCKET_IFNAME": self.socket_ifname, "GLOO_SOCKET_IFNAME": self.socket_ifname}
+        return env
 
 
 @dataclass(frozen=True)
@@ -102,6 +125,7 @@ class Observation:
     message: str
     pools: list[DiscoveredPool] = field(default_factory=list)
     error: Exception | None = None
+    fabric: FabricReport | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +141,9 @@ async def run_agent(cfg: AgentConfig) -> None:
     client = Client(cfg.server, cfg.token, timeout=cfg.timeout.total_seconds())
     try:
         spec = await _prepare(client, cfg)
+        kube = kubernetes_settings(spec)
+        if cfg.kubeconfig is not None and cfg.context is None and kube is not None and kube.context:
+            cfg = replace(cfg, context=kube.context)  # the cluster's registered context, unless --context
         if cfg.once or not cfg.work:
             await _heartbeats(client, cfg, spec)
             return
@@ -129,24 +156,33 @@ async def run_agent(cfg: AgentConfig) -> None:
             devices = await asyncio.to_thread(DevicePool.discover, cfg.gpus)
             log.info("agent for cluster %s: %d %s device(s) %s", cfg.cluster, len(devices.ids), devices.kind,
                      ",".join(devices.ids))
-        loop = WorkLoop(cfg.server, cfg.token, cfg.cluster, make_driver(cfg), advertise=cfg.advertise_address,
+        driver = make_driver(cfg, kube)
+        if cfg.kubeconfig is not None:
+            await asyncio.to_thread(_check_server, driver, kube)
+        loop = WorkLoop(cfg.server, cfg.token, cfg.cluster, driver, advertise=cfg.advertise_address,
                         devices=devices)
         log.info("agent for cluster %s: claiming its sub-tasks, advertising %s", cfg.cluster, loop.advertise)
         await adopt(loop)  # before any heartbeat: an orphan of an earlier life still holds its slots
-        await asyncio.gather(_heartbeats(client, cfg, spec, loop.held_slots), run_work(loop))
+        await asyncio.gather(_heartbeats(client, cfg, spec, loop.held_slots, _settings_sink(driver)),
+                             run_work(loop))
     finally:
         client.close()
 
 
 async def _heartbeats(client: Client, cfg: AgentConfig, spec: dict[str, Any],
-                      held: Callable[[], int] | None = None) -> None:
-    """`held`: slots still taken by runs the server no longer counts (orphans being stopped)."""
+                      held: Callable[[], int] | None = None,
+                      on_spec: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """`held`: slots still taken by runs the server no longer counts (orphans being stopped); `on_spec`
+    gets the cluster's spec from every answered heartbeat (its manifest), so settings applied since
+    take effect without a restart."""
     while True:
         observation = await observe(cfg)
         if held is not None and (busy := held()):
             observation = replace(observation, allocatable_gpus=max(0, observation.allocatable_gpus - busy),
                                   message=f"{observation.message}; {busy} held by a lost run that is stopping")
-        await _send(client, cfg, observation, _prices(spec, cfg))
+        answer = await _send(client, cfg, observation, _prices(spec, cfg))
+        if on_spec is not None and isinstance(answer, dict) and isinstance(answer.get("spec"), dict):
+            on_spec(answer["spec"])
         if cfg.once:
             if observation.error is not None:
                 raise observation.error
@@ -158,21 +194,68 @@ def default_state_dir(cluster: str) -> Path:
     return Path.home() / ".local" / "share" / "cpn" / "agent" / cluster
 
 
-def make_driver(cfg: AgentConfig) -> Any:
-    """The cluster's driver, running here at the site."""
+def make_driver(cfg: AgentConfig, kube: KubernetesRef | None = None) -> Any:
+    """The cluster's driver, running here at the site; `kube`: the cluster's `spec.kubernetes`."""
     if cfg.local:
         from layers.resource.drivers.local import LocalDriver
 
-        return LocalDriver(cfg.state_dir or default_state_dir(cfg.cluster), keep_runs=cfg.keep_runs)
+        return LocalDriver(cfg.state_dir or default_state_dir(cfg.cluster), env=cfg.network_env(),
+                           keep_runs=cfg.keep_runs)
     from layers.resource.drivers.kubernetes import KubernetesDriver
 
-    return KubernetesDriver(kubeconfig=cfg.kubeconfig, context=cfg.context, namespace=cfg.namespace, image=cfg.image)
+    return KubernetesDriver(kubeconfig=cfg.kubeconfig, context=cfg.context, namespace=cfg.namespace, image=cfg.image,
+                            socket_ifname=cfg.socket_ifname or "eth0", nccl_env=cfg.nccl_env, cluster=kube)
+
+
+def kubernetes_settings(spec: dict[str, Any]) -> KubernetesRef | None:
+    """The cluster's `spec.kubernetes` as the server stored it; None when it has none or it no longer
+    validates (a row written before the schema tightened: logged, the driver keeps its settings)."""
+    raw = spec.get("kubernetes")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return KubernetesRef.model_validate(raw)
+    except ValueError as exc:
+        log.warning("the cluster's spec.kubernetes is not valid any more (%s): re-apply it", str(exc).splitlines()[0])
+        return None
+
+
+def _settings_sink(driver: Any) -> Callable[[dict[str, Any]], None] | None:
+    use = getattr(driver, "use_cluster", None)
+    if use is None:
+        return None
+
+    def sink(spec: dict[str, Any]) -> None:
+        kube = kubernetes_settings(spec)
+        if kube is not None and kube != driver.cluster:
+            log.info("cluster settings changed: spec.kubernetes is now %s", kube.wire())
+            use(kube)
+
+    return sink
+
+
+def _check_server(driver: Any, kube: KubernetesRef | None) -> None:
+    """Warn when the kubeconfig points at another API server than the cluster registered (a wrong
+    --context puts the jobs on the wrong cluster); the registered URL may be an external name of the
+    same server, so it is a warning, not a refusal."""
+    if kube is None or not kube.server:
+        return
+    try:
+        found = driver.server
+    except Exception as exc:  # noqa: BLE001 - a broken kubeconfig is reported by discovery and launches
+        log.warning("cannot read the kubeconfig's server: %s", exc)
+        return
+    if found.rstrip("/") != kube.server.rstrip("/"):
+        log.warning("the kubeconfig points at %s but the cluster's spec.kubernetes.server is %s: check --context "
+                    "(or correct the cluster's spec)", found, kube.server)
 
 
 async def observe(cfg: AgentConfig) -> Observation:
     if cfg.local:
         devices = await asyncio.to_thread(local_devices, cfg.gpus)
-        return Observation(devices.count, devices.count, True, "LocalDevices", f"{devices.count} × {devices.name}")
+        fabric = await asyncio.to_thread(local_fabric)
+        return Observation(devices.count, devices.count, True, "LocalDevices", f"{devices.count} × {devices.name}",
+                           fabric=fabric)
     assert cfg.kubeconfig is not None
     try:
         found = await asyncio.to_thread(discover, cfg.kubeconfig, cfg.context,
@@ -181,7 +264,7 @@ async def observe(cfg: AgentConfig) -> Observation:
         return Observation(0, None, False, "DiscoveryFailed", exc.message, error=exc)
     ready = found.conditions[0] if found.conditions else {"status": "True", "reason": "", "message": ""}
     return Observation(found.allocatable_gpus, found.capacity_gpus, ready["status"] == "True",
-                       ready["reason"], ready["message"], found.node_pools)
+                       ready["reason"], ready["message"], found.node_pools, fabric=found.fabric)
 
 
 def local_devices(fallback_slots: int | None) -> LocalDevices:
@@ -205,6 +288,8 @@ def heartbeat_body(observation: Observation, prices: dict[str, str]) -> dict[str
     }
     if observation.capacity_gpus is not None:
         body["capacityGpus"] = observation.capacity_gpus
+    if observation.fabric is not None:
+        body["fabric"] = observation.fabric.model_dump(mode="json", by_alias=True)  # nulls: unknown
     pools = [_priced(p, prices) for p in observation.pools]
     if pools and all(p is not None for p in pools):
         body["nodePools"] = pools
@@ -227,34 +312,35 @@ def _prices(spec: dict[str, Any], cfg: AgentConfig) -> dict[str, str]:
     return prices
 
 
-async def _send(client: Client, cfg: AgentConfig, observation: Observation, prices: dict[str, str]) -> None:
+async def _send(client: Client, cfg: AgentConfig, observation: Observation, prices: dict[str, str]) -> Any:
+    """The server's answer (the cluster's manifest), or None when the report did not get through."""
     body = heartbeat_body(observation, prices)
     try:
-        await _post_heartbeat(client, cfg.cluster, body)
+        answer = await _post_heartbeat(client, cfg.cluster, body)
     except ApiError as exc:
         if cfg.once or not _transient(exc):
             raise
         log.warning("heartbeat cluster=%s failed, retrying in %ss: %s", cfg.cluster,
                     int(cfg.interval.total_seconds()), exc.message)
-        return
+        return None
     capacity = "?" if observation.capacity_gpus is None else observation.capacity_gpus
     pools = f" pools={len(body['nodePools'])}" if "nodePools" in body else ""
     log.info("heartbeat cluster=%s ready=%s allocatable=%s/%s%s: %s", cfg.cluster, observation.ready,
              observation.allocatable_gpus, capacity, pools, observation.message)
+    return answer
 
 
 CONFLICT_RETRIES = 6  # a heartbeat answered 409 is sent again at once, up to this many times, before the next round
 CONFLICT_BACKOFF = 0.05  # seconds before the first repeat; doubled each time, jittered
 
 
-async def _post_heartbeat(client: Client, cluster: str, body: dict[str, Any]) -> None:
+async def _post_heartbeat(client: Client, cluster: str, body: dict[str, Any]) -> Any:
     """POST one heartbeat; a 409 (someone else wrote the cluster's row meanwhile: a price or label change)
     is repeated after a short jittered backoff -- the server re-reads the row each time -- since the report
     itself is never wrong (issue 36, item 3: the agent exited on it and its site was lost)."""
     for attempt in range(CONFLICT_RETRIES + 1):
         try:
-            await asyncio.to_thread(client.post, f"/api/v1/clusters/{cluster}/heartbeat", body)
-            return
+            return await asyncio.to_thread(client.post, f"/api/v1/clusters/{cluster}/heartbeat", body)
         except ApiError as exc:
             if exc.status != 409 or attempt == CONFLICT_RETRIES:
                 raise

@@ -29,6 +29,16 @@ def _port_range(ctx: click.Context, param: click.Parameter, value: str | None) -
         raise click.BadParameter(str(exc)) from None
 
 
+def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+    pairs = {}
+    for item in value:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: write KEY=VALUE, e.g. NCCL_IB_TIMEOUT=22")
+        pairs[key] = val
+    return pairs
+
+
 def _secret(token: str | None, token_file: Path | None) -> str | None:
     """--token, else the token file's first line."""
     if token or token_file is None:
@@ -64,9 +74,15 @@ def _forget_token() -> None:
 @click.option("--kube-context", "--context", "kube_context", help="With --kubeconfig: the kubeconfig context "
               "(default: its current-context). Not a cpnctl context: the server and token come from "
               "--server/--token, CPN_SERVER/CPN_TOKEN, else cpnctl's current context.")
-@click.option("--namespace", default="default", show_default=True, help="With --kubeconfig: namespace for Jobs.")
+@click.option("--namespace", help="With --kubeconfig: namespace for Jobs [the cluster's spec.kubernetes.namespace].")
 @click.option("--image", envvar="CPN_AGENT_IMAGE", help="With --kubeconfig: the container image (with CPN and "
-              "torch) that pods run when a job names none in spec.image [CPN_AGENT_IMAGE].")
+              "torch) that pods run when a job names none in spec.image [CPN_AGENT_IMAGE, else the cluster's "
+              "spec.kubernetes.image].")
+@click.option("--socket-ifname", help="The network interface NCCL and Gloo use here (NCCL_SOCKET_IFNAME, "
+              "GLOO_SOCKET_IFNAME) [eth0 in pods; the cluster's spec.fabric.socketIfname wins].")
+@click.option("--nccl-env", "nccl_env", multiple=True, metavar="KEY=VALUE", callback=_pairs,
+              help="Extra NCCL_*/GLOO_*/TORCH_NCCL_* variable for the workers, repeatable "
+              "(e.g. --nccl-env NCCL_IB_TIMEOUT=22); the cluster's spec.fabric wins where both set one.")
 @click.option("--local", is_flag=True, help="Offer this machine's GPUs (or CPU slots) instead.")
 @click.option("--gpus", type=int, help="With --local: slots to offer when no CUDA device is visible [1].")
 @click.option("--server", help="CPN API URL (CPN_SERVER, else the cpnctl config's current context).")
@@ -94,7 +110,8 @@ def _forget_token() -> None:
 @click.option("--lat", type=click.FloatRange(-90, 90), help="With --register: the new Site's latitude.")
 @click.option("--lon", type=click.FloatRange(-180, 180), help="With --register: the new Site's longitude.")
 def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, local: bool, gpus: int | None,
-              namespace: str, image: str | None, server: str | None, token: str | None, token_file: Path | None,
+              namespace: str | None, image: str | None, socket_ifname: str | None, nccl_env: dict[str, str],
+              server: str | None, token: str | None, token_file: Path | None,
               keep_runs: bool, advertise_address: str | None,
               state_dir: Path | None, no_work: bool, interval: float, once: bool, price: str | None,
               register: bool, site: str | None, region: str | None, lat: float | None,
@@ -129,7 +146,8 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
         cfg = AgentConfig(cluster=cluster, server=target.server or "", token=target.token, kubeconfig=kubeconfig,
                           context=kube_context, local=local, gpus=gpus, price_per_gpu_hour=price,
                           interval=timedelta(seconds=interval), once=once, register=registration,
-                          namespace=namespace, image=image, advertise_address=advertise_address, state_dir=state_dir,
+                          namespace=namespace, image=image, socket_ifname=socket_ifname, nccl_env=nccl_env,
+                          advertise_address=advertise_address, state_dir=state_dir,
                           work=not no_work, keep_runs=keep_runs)
         asyncio.run(run_agent(cfg))
     except (ApiError, ConfigError) as exc:

@@ -94,6 +94,8 @@ def _record(principal: Principal, name: str, row: ClusterRow | None, body: Heart
     status["reportedConditions"] = [c.wire() for c in body.conditions]
     if body.node_pools is not None:
         status["discoveredPools"] = [p.wire() for p in body.node_pools]
+    if body.fabric is not None:
+        status["discoveredFabric"] = body.fabric.model_dump(mode="json", by_alias=True)  # nulls: unknown
     row.status = status
     row.capacity_gpus = capacity
     row.allocatable_gpus = body.allocatable_gpus

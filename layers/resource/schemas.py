@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from cpn.core.manifest import CamelModel, Condition, ManifestBase, Money, Name
 
@@ -65,13 +65,125 @@ class NodePool(CamelModel):
         return self.gpus_per_node * self.nodes
 
 
+# Kubernetes names (k8s.io/apimachinery/pkg/util/validation)
+DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # namespaces, LocalQueues: at most 63
+DNS_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"  # at most 253
+LABEL_VALUE_RE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"  # at most 63
+LABEL_NAME_RE = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"  # the part of a key after its prefix
+# an OCI image reference: [registry[:port]/]path[:tag][@sha256:digest]
+IMAGE_RE = (r"^(?:[A-Za-z0-9.-]+(?::[0-9]{1,5})?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+            r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+            r"(?:@sha256:[0-9a-f]{64})?$")
+
+
+def label_key_problem(key: str) -> str | None:
+    """Why `key` is not a Kubernetes label key ([prefix/]name), or None."""
+    prefix, _, name = key.rpartition("/")
+    if "/" in prefix or (prefix and (len(prefix) > 253 or not re.match(DNS_SUBDOMAIN_RE, prefix))):
+        return f"label key {key[:80]!r}: its prefix must be a DNS subdomain such as example.com"
+    if not name or len(name) > 63 or not re.match(LABEL_NAME_RE, name):
+        return (f"label key {key[:80]!r}: the name must be 1-63 letters, digits, '-', '_' or '.', starting and "
+                "ending with a letter or digit")
+    return None
+
+
+def label_value_problem(value: str) -> str | None:
+    if len(value) > 63 or not re.match(LABEL_VALUE_RE, value):
+        return (f"label value {value[:80]!r} must be at most 63 letters, digits, '-', '_' or '.', starting and "
+                "ending with a letter or digit")
+    return None
+
+
+class Toleration(CamelModel):
+    """A pod toleration (core/v1 Toleration), so the workers may run on tainted nodes."""
+
+    key: str | None = Field(default=None, max_length=317, description="The taint's key; none (with Exists): every taint")
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = Field(default=None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="The taint effect tolerated; none: every effect")
+    toleration_seconds: int | None = Field(default=None, ge=0, le=10**9,
+                                           description="NoExecute only: how long the pod stays once tainted")
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        if v is not None and (problem := label_key_problem(v)):
+            raise ValueError(problem)
+        return v
+
+    @field_validator("value")
+    @classmethod
+    def _value(cls, v: str | None) -> str | None:
+        if v is not None and (problem := label_value_problem(v)):
+            raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError("operator Exists takes no value: drop value, or use operator Equal")
+        if self.operator == "Equal" and not self.key:
+            raise ValueError("operator Equal needs a key (operator Exists without a key tolerates every taint)")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds applies to effect NoExecute only")
+        return self
+
+
 class KubernetesRef(CamelModel):
+    """Where and how the cluster's agent runs sub-tasks on its Kubernetes: every field reaches the
+    objects the driver creates (docs/kubernetes-driver.md)."""
+
     kubeconfig_secret: str | None = Field(default=None, description="Write-only reference to a kubeconfig")
-    server: str | None = None
-    namespace: str = "default"
-    context: str | None = None
-    queue: str | None = Field(default=None, description="Kueue LocalQueue for gang admission (default cpn)")
-    image: str | None = Field(default=None, description="Worker image (default cpn:latest)")
+    server: str | None = Field(default=None, max_length=2048, pattern=r"^https?://[^\s]+$", description=(
+        "The API server URL; the agent warns when its kubeconfig points elsewhere"))
+    namespace: str = Field(default="default", max_length=63, json_schema_extra={"pattern": DNS_LABEL_RE},
+                           description="Namespace of the Jobs, Services and Secrets (cpn agent --namespace overrides)")
+    context: str | None = Field(default=None, max_length=253,
+                                description="The kubeconfig context the agent uses when not given --context")
+    queue: str | None = Field(default=None, max_length=63, json_schema_extra={"pattern": DNS_LABEL_RE}, description=(
+        "Kueue LocalQueue in the namespace: the Job gets the kueue.x-k8s.io/queue-name label and is created "
+        "suspended, so Kueue admits all its pods at once. None: no label, not suspended"))
+    image: str | None = Field(default=None, max_length=255, json_schema_extra={"pattern": IMAGE_RE}, description=(
+        "Image the pods run when the job names none (spec.image); cpn agent --image overrides it"))
+    priority_class_name: str | None = Field(default=None, max_length=253, json_schema_extra={"pattern": DNS_SUBDOMAIN_RE},
+                                            description="The pods' PriorityClass (it must exist in the cluster)")
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=64,
+                                          description="Labels a node must have to run the pods")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description=(
+        "Taints the pods tolerate, besides nvidia.com/gpu:NoSchedule which GPU pods always tolerate"))
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(IMAGE_RE, v):
+            raise ValueError(f"{v[:80]!r} is not an image reference: write [registry[:port]/]name[:tag][@sha256:digest], "
+                             "e.g. ghcr.io/you/cpn:0.1-cu128")
+        return v
+
+    @field_validator("namespace", "queue")
+    @classmethod
+    def _dns_label(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(DNS_LABEL_RE, v):
+            raise ValueError(f"{v[:80]!r} is not a Kubernetes name: lowercase letters, digits and '-', starting and "
+                             "ending with a letter or digit, e.g. ml-team")
+        return v
+
+    @field_validator("priority_class_name")
+    @classmethod
+    def _dns_subdomain(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(DNS_SUBDOMAIN_RE, v):
+            raise ValueError(f"{v[:80]!r} is not a PriorityClass name: lowercase letters, digits, '-' and '.', "
+                             "e.g. high-priority")
+        return v
+
+    @field_validator("node_selector")
+    @classmethod
+    def _selector(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if problem := label_key_problem(key) or label_value_problem(value):
+                raise ValueError(problem)
+        return v
 
 
 class Interconnect(CamelModel):
@@ -178,6 +290,23 @@ class LinkManifest(ManifestBase):
     status: dict[str, Any] | None = None
 
 
+class FabricReport(CamelModel):
+    """The network an agent found at its site (heartbeat `fabric`, shown as the cluster's `status.fabric`).
+    Only what it saw: a null field, or kind `unknown`, means it could not tell -- never a guess."""
+
+    kind: Literal["infiniband", "roce", "ethernet", "unknown"] = Field(description=(
+        "infiniband/roce: RDMA devices with that link layer; ethernet: the machine or the nodes' feature "
+        "labels list no RDMA device; unknown: nothing to tell by"))
+    hcas: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]] | None = Field(
+        default=None, max_length=64, description="RDMA devices seen (null: not visible from here)")
+    gpu_direct_rdma: bool | None = Field(default=None, description="true: a GPUDirect RDMA module is loaded")
+    nvlink: bool | None = Field(default=None, description="GPUs joined by NVLink (nvidia-smi topo -m)")
+    nodes: int | None = Field(default=None, ge=0, le=100_000, description="GPU nodes looked at (Kubernetes)")
+    rdma_nodes: int | None = Field(default=None, ge=0, le=100_000,
+                                   description="of those, labelled or allocatable as RDMA-capable")
+    source: str = Field(max_length=300, description="Where the agent looked, and what it could not see")
+
+
 MAX_CLUSTER_GPUS = 10_000_000  # more than any pool can state (64 per node x 100,000 nodes); a 32-bit column
 
 
@@ -187,6 +316,7 @@ class HeartbeatRequest(CamelModel):
                                                    "(a rule between two fields, checked by the server)")
     conditions: list[Condition] = Field(default_factory=list)
     node_pools: list[NodePool] | None = None
+    fabric: FabricReport | None = Field(default=None, description="The network the agent found")
 
     @field_validator("allocatable_gpus")
     @classmethod

@@ -86,6 +86,10 @@ class ClusterStore(ResourceStore):
         if spec.driver == "kubernetes" and spec.kubernetes is None:
             raise errors.InvalidInput("driver kubernetes needs {kubeconfigSecret | server, namespace}",
                                       field="spec.kubernetes")
+        if spec.driver == "local" and spec.kubernetes is not None:  # it would be stored and never honoured
+            raise errors.InvalidInput("spec.kubernetes configures the pods of driver kubernetes; this cluster's "
+                                      "driver is local (processes on the agent's machine): set driver: kubernetes "
+                                      "or drop spec.kubernetes", field="spec.kubernetes")
         seen: set[str] = set()
         for i, pool in enumerate(spec.node_pools):
             if pool.name in seen:
@@ -161,6 +165,7 @@ def cluster_status(row: ClusterRow, timeout: timedelta, now: datetime | None = N
         "lastHeartbeatTime": seen.isoformat() if seen else None,
         "gpuModel": ",".join(sorted({p["gpu"]["model"] for p in pools})),
         "price": f"{prices[0]} {row.spec.get('currency', 'USD')}/GPU-h" if prices else None,
+        **({"fabric": stored["discoveredFabric"]} if stored.get("discoveredFabric") else {}),  # as the agent found it
     }
 
 

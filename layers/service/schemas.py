@@ -19,16 +19,13 @@ from cpn.runtime.config import (
     UNSHARDABLE_REASONS,
     StrategyConfig,
 )
+from layers.resource.schemas import IMAGE_RE  # an OCI image reference
 
 Strategy = Literal.__getitem__(("auto", *STRATEGIES))  # the runtime's strategies (one source) and "auto"
 LAYERS_MAX = 1024  # a model's units: far above any transformer's blocks; the planner's stage cuts grow with them
 OBJECTIVE_MAX = 1e6  # weights above overflow the planner's scores (1e308 x a cost is inf, inf x 0 NaN)
 DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-# an OCI image reference: [registry[:port]/]path[:tag][@sha256:digest]
-IMAGE_RE = (r"^(?:[A-Za-z0-9.-]+(?::[0-9]{1,5})?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-            r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
-            r"(?:@sha256:[0-9a-f]{64})?$")
 
 # Named model sizes (one table, cpn/runtime/presets.py): every one is a model the runtime builds and
 # trains, from CPN's CPU-sized byte LMs to the published Llama shapes (and the names earlier releases

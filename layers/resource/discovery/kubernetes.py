@@ -25,6 +25,8 @@ from pydantic import BaseModel, Field
 
 from cpn.core.errors import InvalidInput, Unavailable
 from layers.resource import gpus
+from layers.resource.discovery.fabric import nodes_fabric
+from layers.resource.schemas import FabricReport
 
 GPU_RESOURCE = "nvidia.com/gpu"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -60,6 +62,7 @@ class Discovery(BaseModel):
     allocatable_gpus: int
     server_version: str
     conditions: list[dict[str, Any]]
+    fabric: FabricReport | None = None
 
 
 def discover(kubeconfig: str | Path, context: str | None = None, *,
@@ -110,7 +113,7 @@ def summarise(nodes: Iterable[k8s.V1Node], pods: Iterable[k8s.V1Pod], *, server_
     capacity = sum(_gpus(n.status.capacity) for n in gpu_nodes)
     allocatable = sum(p.allocatable_gpus for p in pools)
     return Discovery(node_pools=pools, capacity_gpus=capacity, allocatable_gpus=allocatable,
-                     server_version=server_version,
+                     server_version=server_version, fabric=nodes_fabric(gpu_nodes),
                      conditions=[_ready_condition(len(gpu_nodes), len(usable), allocatable, capacity)])
 
 

@@ -79,8 +79,9 @@ from cpn.runtime.launcher import PortRange, agent_port_range
 from cpn.runtime.ranklog import RANK_LINE
 from layers.resource.discovery.kubernetes import GPU_RESOURCE
 from layers.resource.drivers.base import DriverError, LogLine, SubtaskState
+from layers.resource.schemas import KubernetesRef, Toleration
 
-__all__ = ["KubernetesDriver", "PodSettings", "Shape", "container_env", "job_manifest", "launch_key",
+__all__ = ["KubernetesDriver", "PodSettings", "Shape", "container_env", "job_manifest", "launch_key", "pod_spec",
            "resource_name", "runner_command", "secret_manifest", "service_manifest", "shape"]
 
 log = logging.getLogger("cpn.agent.kubernetes")
@@ -145,13 +146,16 @@ def _label_value(text: str) -> str:
 # ------------------------------------------------------------------------------------- manifests
 @dataclass(frozen=True, kw_only=True)
 class PodSettings:
-    """What the provider tunes about the pods (the agent's options)."""
+    """What the provider tunes about the pods: the cluster's `spec.kubernetes` and the agent's options."""
 
     image: str
     socket_ifname: str = "eth0"
     nccl_env: Mapping[str, str] | None = None
-    queue: str | None = None  # a Kueue LocalQueue; no label without one
+    queue: str | None = None  # a Kueue LocalQueue: the Job is labelled for it and created suspended
     port_range: PortRange | None = None  # the pods' ephemeral ports (Gloo's, NCCL's) from this range
+    priority_class_name: str | None = None
+    node_selector: Mapping[str, str] | None = None
+    tolerations: tuple[Toleration, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -227,9 +231,25 @@ def runner_command(pods: Shape) -> list[str]:
             str(pods.ranks_per_pod), "--termination-log", TERMINATION_LOG]
 
 
+def _resources(pods: Shape) -> dict[str, Any]:
+    """A GPU pod requests (and is limited to) its ranks' GPUs, which the device plugin gives it and Kueue
+    counts against the queue's quota; a CPU pod requests a core per rank."""
+    if pods.gpus_per_pod:
+        gpus = {GPU_RESOURCE: str(pods.gpus_per_pod)}
+        return {"requests": dict(gpus), "limits": gpus}
+    return {"requests": {"cpu": str(pods.ranks_per_pod)}}
+
+
+def _tolerations(settings: PodSettings, gpus: int) -> list[dict[str, Any]]:
+    """The cluster's tolerations, and on GPU pods the GPU nodes' usual taint (once)."""
+    out = [t.wire() for t in settings.tolerations]
+    if gpus and GPU_TOLERATION not in out:
+        out.insert(0, dict(GPU_TOLERATION))
+    return out
+
+
 def _container(spec: AttemptSpec, pods: Shape, settings: PodSettings) -> dict[str, Any]:
-    resources = ({"limits": {GPU_RESOURCE: str(pods.gpus_per_pod)}} if pods.gpus_per_pod
-                 else {"requests": {"cpu": str(pods.ranks_per_pod)}})
+    resources = _resources(pods)
     return {"name": CONTAINER, "image": settings.image, "command": runner_command(pods),
             "env": container_env(spec, settings, pods.gpus_per_pod),
             "ports": [{"name": n, "containerPort": p} for n, p in _ports(spec)], "resources": resources,
@@ -240,14 +260,11 @@ def _container(spec: AttemptSpec, pods: Shape, settings: PodSettings) -> dict[st
                              {"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"}]}
 
 
-def job_manifest(spec: AttemptSpec, namespace: str, pods: Shape, settings: PodSettings) -> dict[str, Any]:
-    """The Indexed Job of one sub-task: `pods.pods` pods of `pods.ranks_per_pod` ranks each."""
+def pod_spec(spec: AttemptSpec, pods: Shape, settings: PodSettings) -> dict[str, Any]:
+    """The pod spec of every pod of a sub-task's Job: the runner container, its volumes, and where the
+    cluster lets it run (priority class, node selector, tolerations). Pure: no API call."""
     name = resource_name(launch_key(spec))
-    meta = _metadata(spec, namespace)
-    meta["annotations"][RANKS_PER_POD] = str(pods.ranks_per_pod)
-    if settings.queue:
-        meta["labels"][QUEUE_LABEL] = _label_value(settings.queue)
-    pod_spec: dict[str, Any] = {
+    out: dict[str, Any] = {
         "subdomain": name, "restartPolicy": "Never", "enableServiceLinks": False,
         "automountServiceAccountToken": False,  # workers never call the Kubernetes API
         "containers": [_container(spec, pods, settings)],
@@ -257,17 +274,34 @@ def job_manifest(spec: AttemptSpec, namespace: str, pods: Shape, settings: PodSe
                     {"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}],
         # user code runs here: not root, no privilege to gain, nothing written outside the emptyDirs
         "securityContext": {"runAsNonRoot": True, "fsGroup": POD_USER, "seccompProfile": {"type": "RuntimeDefault"}}}
-    if pods.gpus_per_pod:
-        pod_spec["tolerations"] = [GPU_TOLERATION]
+    if tolerations := _tolerations(settings, pods.gpus_per_pod):
+        out["tolerations"] = tolerations
+    if settings.node_selector:
+        out["nodeSelector"] = dict(settings.node_selector)
+    if settings.priority_class_name:
+        out["priorityClassName"] = settings.priority_class_name
     if settings.port_range is not None:
-        pod_spec["securityContext"]["sysctls"] = [{"name": PORT_RANGE_SYSCTL, "value":
-                                                   f"{settings.port_range.low} {settings.port_range.high}"}]
+        out["securityContext"]["sysctls"] = [{"name": PORT_RANGE_SYSCTL, "value":
+                                              f"{settings.port_range.low} {settings.port_range.high}"}]
+    return out
+
+
+def job_manifest(spec: AttemptSpec, namespace: str, pods: Shape, settings: PodSettings) -> dict[str, Any]:
+    """The Indexed Job of one sub-task: `pods.pods` pods of `pods.ranks_per_pod` ranks each. With a
+    queue it is created suspended and labelled for Kueue, which unsuspends it once the whole gang fits."""
+    name = resource_name(launch_key(spec))
+    meta = _metadata(spec, namespace)
+    meta["annotations"][RANKS_PER_POD] = str(pods.ranks_per_pod)
+    if settings.queue:
+        meta["labels"][QUEUE_LABEL] = _label_value(settings.queue)
     template = {"metadata": {"labels": {**labels(spec), POD_GROUP_LABEL: name},
                              "annotations": {VOLCANO_GROUP: name, LAUNCH_KEY: launch_key(spec)}},
-                "spec": pod_spec}
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
-            "spec": {"completionMode": "Indexed", "completions": pods.pods, "parallelism": pods.pods,
-                     "backoffLimit": 0, "ttlSecondsAfterFinished": TTL_SECONDS, "template": template}}
+                "spec": pod_spec(spec, pods, settings)}
+    job_spec = {"completionMode": "Indexed", "completions": pods.pods, "parallelism": pods.pods,
+                "backoffLimit": 0, "ttlSecondsAfterFinished": TTL_SECONDS, "template": template}
+    if settings.queue:
+        job_spec["suspend"] = True
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": job_spec}
 
 
 # ------------------------------------------------------------------------------------ API calls
@@ -382,22 +416,40 @@ def _handle(job: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------- driver
 class KubernetesDriver:
-    """Launches sub-tasks on the Kubernetes cluster at `kubeconfig` (in-cluster config when None)."""
+    """Launches sub-tasks on the Kubernetes cluster at `kubeconfig` (in-cluster config when None).
+
+    Where the pods go and what they run come from the cluster's `spec.kubernetes`
+    (:meth:`use_cluster`; the agent calls it at start and after every heartbeat, whose answer is the
+    cluster's manifest, so an applied change takes effect at the next launch). `namespace` and
+    `image` given here (the agent's --namespace and --image) override the cluster's."""
 
     name = "kubernetes"
 
-    def __init__(self, kubeconfig: Path | None = None, context: str | None = None, namespace: str = "default",
+    def __init__(self, kubeconfig: Path | None = None, context: str | None = None, namespace: str | None = None,
                  image: str | None = None, *, gpus_per_node: int | None = None, socket_ifname: str = "eth0",
-                 nccl_env: Mapping[str, str] | None = None, queue: str | None = None,
+                 nccl_env: Mapping[str, str] | None = None, cluster: KubernetesRef | None = None,
                  cpu_ranks_per_pod: int = 1, port_range: PortRange | None = None):
-        self.kubeconfig, self.context, self.namespace, self.image = kubeconfig, context, namespace, image
+        self.kubeconfig, self.context = kubeconfig, context
+        self._namespace_flag, self._image_flag = namespace, image
         self.port_range = port_range or agent_port_range()  # default: the agent's --port-range
         self.gpus_per_node = gpus_per_node  # None: read from the nodes at the first launch
-        self.socket_ifname, self.nccl_env, self.queue = socket_ifname, dict(nccl_env or {}), queue
+        self.socket_ifname, self.nccl_env = socket_ifname, dict(nccl_env or {})
         self.cpu_ranks_per_pod = cpu_ranks_per_pod
         self._client: k8s.ApiClient | None = None
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
+        self.use_cluster(cluster)
+
+    def use_cluster(self, cluster: KubernetesRef | None) -> None:
+        """Take the cluster's registered settings (validated by the server when they were applied)."""
+        self.cluster = cluster or KubernetesRef()
+        self.namespace = self._namespace_flag or self.cluster.namespace
+        self.image = self._image_flag or self.cluster.image
+
+    @property
+    def server(self) -> str:
+        """The API server URL the kubeconfig (or in-cluster configuration) points at."""
+        return str(self._api_client().configuration.host)
 
     # ------------------------------------------------------------ connection
     def _api_client(self) -> k8s.ApiClient:
@@ -464,10 +516,12 @@ class KubernetesDriver:
     def _settings(self, spec: AttemptSpec) -> PodSettings:
         image = spec.image or self.image
         if not image:
-            raise DriverError(f"{launch_key(spec)}: no container image: give the job an image or the agent one",
-                              field="image")
-        return PodSettings(image=image, socket_ifname=self.socket_ifname, nccl_env=self.nccl_env, queue=self.queue,
-                           port_range=self.port_range)
+            raise DriverError(f"{launch_key(spec)}: no container image: set the cluster's spec.kubernetes.image, "
+                              "run the agent with --image, or give the job spec.image", field="image")
+        kube = self.cluster
+        return PodSettings(image=image, socket_ifname=self.socket_ifname, nccl_env=self.nccl_env, queue=kube.queue,
+                           port_range=self.port_range, priority_class_name=kube.priority_class_name,
+                           node_selector=kube.node_selector, tolerations=tuple(kube.tolerations))
 
     def _launch(self, spec: AttemptSpec) -> dict[str, Any]:
         key, namespace = launch_key(spec), self.namespace

@@ -142,8 +142,8 @@ def test_each_pod_runs_the_sites_job_runner_on_the_gpus() -> None:
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert job["spec"] | {"template": None} == {"completionMode": "Indexed", "completions": 2, "parallelism": 2,
                                                 "backoffLimit": 0, "ttlSecondsAfterFinished": 86400,
-                                                "template": None}
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": "4"}}
+                                                "suspend": True, "template": None}  # Kueue unsuspends it
+    assert container["resources"] == {"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}
     assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["spec"]["automountServiceAccountToken"] is False
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research"
@@ -224,7 +224,8 @@ async def test_launch_creates_secret_service_and_job(gpu_site: KubeStub, driver:
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     assert list(data) == ["spec.json"]
     assert AttemptSpec.model_validate_json(data["spec.json"]) == spec  # the whole contract, token included
-    assert job["spec"]["template"]["spec"]["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": "4"}}
+    assert job["spec"]["template"]["spec"]["containers"][0]["resources"] == {"requests": {"nvidia.com/gpu": "4"},
+                                                                             "limits": {"nvidia.com/gpu": "4"}}
     expected = {"app.kubernetes.io/managed-by": "cpn", "cpn.io/job": "llm", "cpn.io/subtask": "llm-gpu-west",
                 "cpn.io/attempt": "1", "cpn.io/cluster": "gpu-west"}
     assert job["metadata"]["labels"] == expected == service["metadata"]["labels"] == secret["metadata"]["labels"]
