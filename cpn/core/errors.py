@@ -199,8 +199,10 @@ def _message(err: dict[str, Any]) -> str:
         return "required field is missing"
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return f"expected a mapping of fields (key: value), got {_describe(err.get('input'))}"
-    if kind == "literal_error":
-        return f"must be one of: {ctx.get('expected', '').replace(' or ', ', ')}; got {_describe(err.get('input'))}"
+    if kind in ("literal_error", "enum"):
+        expected = ctx.get("expected", "")
+        return (f"must be one of: {expected.replace(' or ', ', ')}; got {_describe(err.get('input'))}"
+                + closest(err.get("input"), re.findall(r"'([^']*)'", expected)))
     if kind in ("int_parsing", "int_from_float", "int_type"):
         return f"must be a whole number, got {_describe(err.get('input'))}"
     if kind in ("float_parsing", "float_type", "decimal_parsing", "decimal_type"):
@@ -220,6 +222,17 @@ def _message(err: dict[str, Any]) -> str:
         actual = len(err.get("input") or ()) if actual is None else actual
         return f"must have at {'least' if short else 'most'} {bound} {unit}{'' if bound == 1 else 's'}, got {actual}"
     return msg.replace("Input should be", "must be")
+
+
+def closest(value: Any, choices: list[str]) -> str:
+    """" (did you mean `diloco`?)" when `value` is text close to one of `choices` (any case), else ""."""
+    import difflib
+
+    if not isinstance(value, str) or not value or not choices:
+        return ""
+    lowered = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(value.lower(), list(lowered), n=1, cutoff=0.6)
+    return f" (did you mean `{lowered[close[0]]}`?)" if close else ""
 
 
 # A schema's regular expression in words, for the errors that quote it (the schemas register theirs)

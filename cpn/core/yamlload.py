@@ -78,6 +78,9 @@ def _syntax_error(exc: yaml.YAMLError, source: str) -> ManifestSyntaxError:
 
 
 def yaml_error_message(exc: yaml.YAMLError, source: str = "") -> str:
+    """`source: malformed YAML at line L column C: what is wrong in plain words (the parser's own words)`.
+    The line is the one to fix: for a key without its colon, the key's line, not the next one where the
+    parser noticed."""
     where = f"{source}: " if source else ""
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
@@ -85,7 +88,64 @@ def yaml_error_message(exc: yaml.YAMLError, source: str = "") -> str:
     text = f"{problem} ({context})" if context else problem
     if mark is None:
         return f"{where}malformed YAML: {text}"
-    return f"{where}malformed YAML at line {mark.line + 1} column {mark.column + 1}: {text}"
+    line, column, plain = _plain_words(exc, mark, problem)
+    if plain and plain != problem:
+        text = f"{plain} (YAML parser: {problem})"
+    return f"{where}malformed YAML at line {line} column {column}: {text}"
+
+
+def _plain_words(exc: yaml.YAMLError, mark: Any, problem: str) -> tuple[int, int, str | None]:
+    """(line, column, the problem in a user's words or None) for PyYAML's usual complaints."""
+    line, column = mark.line + 1, mark.column + 1
+    opened = getattr(exc, "context_mark", None)
+    since = f"line {opened.line + 1}" if opened is not None else "above"
+    context = getattr(exc, "context", None) or ""
+    lines = str(getattr(mark, "buffer", "") or "").replace("\0", "").splitlines()
+
+    def text_of(number: int) -> str:
+        return lines[number - 1] if 0 < number <= len(lines) else ""
+
+    if problem == "mapping values are not allowed here":
+        here = text_of(line)
+        if ":" in here[:mark.column]:
+            key = here.split(":", 1)[0].strip().lstrip("- ")
+            return line, column, (f"the value of {key!r} holds ': ': put the value in quotes "
+                                  f"({key}: \"{here.split(':', 1)[1].strip()}\"), or put a nested key on a line "
+                                  "of its own, indented")
+        above = next((n for n in range(line - 1, 0, -1) if text_of(n).strip() and
+                      not text_of(n).lstrip().startswith("#")), 0)
+        if above and ":" not in text_of(above) and not text_of(above).lstrip().startswith(("-", "[", "{")):
+            return above, len(text_of(above)) - len(text_of(above).lstrip()) + 1, (
+                f"{text_of(above).strip()!r} has no ':' after its key: write key: value")
+        return line, column, (f"line {line} is indented more than the line above it, whose key already has a value: "
+                              "line the keys of one mapping up under each other")
+    if problem.startswith("could not find expected ':'") and opened is not None:
+        return opened.line + 1, opened.column + 1, (f"{text_of(opened.line + 1).strip()!r} has no ':' after its "
+                                                    "key: write key: value")
+    if problem.startswith("expected <block end>"):
+        if problem.endswith("'-'"):
+            return line, column, ("a list item (- …) where a key was expected: indent the list under its key, "
+                                  "or give it a key")
+        return line, column, (f"line {line} is indented unlike the keys above it (the mapping that starts on "
+                              f"{since}): the keys of one mapping line up under each other")
+    if problem == "sequence entries are not allowed here":
+        return line, column, ("a list item (- …) on the same line as its key: put the items on the lines below "
+                              "the key, indented, or write [a, b]")
+    if "flow sequence" in context or "flow mapping" in context:
+        brackets = "[ … ]" if "sequence" in context else "{ … }"
+        return line, column, (f"the {brackets[0]} opened on {since} is not closed by {brackets[-1]} where expected "
+                              f"(inside {brackets} items are separated by ', ')")
+    if "quoted scalar" in context and "end of stream" in problem:
+        return line, column, f"the quoted text that starts on {since} is never closed: add the closing quote"
+    if problem.startswith("found unknown escape character"):
+        return line, column, ("a backslash in double quotes starts an escape YAML does not know: use single "
+                              "quotes, or write \\\\ for a backslash")
+    if problem.startswith("found character '\\t'"):
+        return line, column, f"line {line} has a tab: YAML indents with spaces only"
+    if problem.startswith("found character") and "cannot start any token" in problem:
+        char = problem.split("'")[1] if problem.count("'") >= 2 else "this character"
+        return line, column, f"a value cannot start with {char}: put the value in quotes"
+    return line, column, None
 
 
 def load_yaml(text: str, source: str = "") -> Any:
