@@ -175,6 +175,8 @@ def describe(obj: dict[str, Any]) -> str:
                     for c in conditions]
             lines.extend("  " + line for line in format_rows(["TYPE", "STATUS", "REASON", "MESSAGE"], rows)
                          .splitlines())
+    if obj.get("kind") == "Quota":
+        lines.extend(quota_lines(obj))
     if obj.get("subtasks"):
         lines.append("Sub-tasks:")
         rows = [_subtask_row(t) for t in obj["subtasks"]]
@@ -191,6 +193,19 @@ def describe(obj: dict[str, Any]) -> str:
             lines.extend("  " + line for line in format_rows(["AGE", "TYPE", "REASON", "MESSAGE"], rows)
                          .splitlines())
     return "\n".join(lines)
+
+
+QUOTA_LIMITS = (("maxGpus", "gpus", "GPUs held now"), ("maxJobs", "jobs", "jobs active now"),
+                ("gpuHoursPerMonth", "gpuHours", "GPU-hours this month"), ("spendPerMonth", "spend", "spend this month"))
+
+
+def quota_lines(obj: dict[str, Any]) -> list[str]:
+    """A Quota's limits against what it counts (status.used), one row per limit it sets."""
+    spec, used = obj.get("spec") or {}, (obj.get("status") or {}).get("used") or {}
+    rows = [[key, str(used.get(field, "-")), str(spec[key]), what + (f" ({spec.get('currency', 'USD')})"
+                                                                      if key == "spendPerMonth" else "")]
+            for key, field, what in QUOTA_LIMITS if spec.get(key) is not None]
+    return ["Limits:", *("  " + line for line in format_rows(["LIMIT", "USED", "OF", "COUNTS"], rows).splitlines())]
 
 
 def metric_lines(metrics: dict[str, Any]) -> list[str]:

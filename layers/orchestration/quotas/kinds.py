@@ -15,9 +15,9 @@ def register(registry: KindRegistry) -> None:
         kind="Quota", plural="quotas", short_names=("quota", "quo"), manifest=QuotaManifest, store=QuotaStore(),
         order=45,
         columns=(Column("BOUND TO", "{status.boundTo}"),
-                 Column("GPUS", "{status.used.gpus}/{spec.maxGpus}"),
-                 Column("JOBS", "{status.used.jobs}/{spec.maxJobs}"),
-                 Column("GPU-HOURS", "{status.used.gpuHours}/{spec.gpuHoursPerMonth}"),
-                 Column("SPEND", "{status.used.spend}/{spec.spendPerMonth} {spec.currency}"),
+                 Column("GPUS", "{status.usedOfLimit.gpus}"),
+                 Column("JOBS", "{status.usedOfLimit.jobs}"),
+                 Column("GPU-HOURS", "{status.usedOfLimit.gpuHours}"),
+                 Column("SPEND", "{status.usedOfLimit.spend}"),
                  Column("MONTH", "{status.month}", wide=True), Column("ACCOUNTS", "{status.accounts}", wide=True),
                  AGE)))

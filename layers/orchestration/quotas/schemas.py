@@ -42,6 +42,10 @@ class QuotaSpec(CamelModel):
     Unset limits do not limit. GPUs and jobs are what is held now; GPU-hours and spend count the calendar
     month (UTC): what was metered this month plus the rest of the accepted quotes of active jobs."""
 
+    model_config = {**CamelModel.model_config, "json_schema_extra": {  # what QuotaStore.prepare checks, published
+        "oneOf": [{"required": ["account"]}, {"required": ["team"]}],
+        "anyOf": [{"required": [r]} for r in RESOURCES]}}
+
     account: Name | None = Field(default=None, description="The account bound (give this or team)")
     team: Name | None = Field(default=None, description="The team bound (give this or account)")
     max_gpus: int | None = Field(default=None, ge=0, le=LIMIT_MAX, description="GPUs leased at once")
@@ -66,6 +70,8 @@ class QuotaStatus(CamelModel):
     accounts: list[str] = Field(default_factory=list, description="The accounts whose jobs count")
     month: str = Field(description="The calendar month GPU-hours and spend count (YYYY-MM, UTC)")
     used: QuotaUsed
+    used_of_limit: dict[str, str] = Field(default_factory=dict, description=(
+        "What `cpnctl get quotas` shows: \"used/limit\" for each limit the quota sets (gpus, jobs, gpuHours, spend)"))
 
 
 class QuotaManifest(ManifestBase):

@@ -131,6 +131,10 @@ class QuotaStore(_AdminWritten):
         if row is None:
             return manifest
         used = await usage.usage(session, row)  # type: ignore[arg-type]
+        wire, spec = used.wire(), manifest["spec"]
+        shown = {field: f"{wire[field]}/{spec[key]}" + (f" {spec.get('currency', 'USD')}" if field == "spend" else "")
+                 for key, field in (("maxGpus", "gpus"), ("maxJobs", "jobs"), ("gpuHoursPerMonth", "gpuHours"),
+                                    ("spendPerMonth", "spend")) if spec.get(key) is not None}
         manifest["status"] = {"boundTo": usage.bound_to(row), "accounts": used.accounts,  # type: ignore[arg-type]
-                              "month": used.month, "used": used.wire()}
+                              "month": used.month, "used": wire, "usedOfLimit": shown}
         return manifest

@@ -238,3 +238,7 @@ async def annotate(session: AsyncSession, account: str, quotes: list[dict[str, A
         request = Request.of(q["placement"], price.get("lines") or [], price["total"], price["currency"])
         found = [c for row, u in used for c in checks(row, u, request)]
         q["quota"] = {"fits": all(c["fits"] for c in found), "checks": found}
+        over = [f"over quota {c['quota']} {c['resource']} ({c['used']} used + {c['requested']} > {c['limit']})"
+                for c in found if not c["fits"]]
+        if over:  # the NOTE column of `cpnctl get quotes` says it before an accept is refused
+            q["note"] = "; ".join(n for n in (q.get("note"), *over) if n)
