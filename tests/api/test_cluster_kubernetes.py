@@ -8,10 +8,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
-from cpn.agent.heartbeat import AgentConfig, _heartbeats, _settings_sink, kubernetes_settings, make_driver
+from cpn.agent.heartbeat import (
+    AgentConfig,
+    _check_server,
+    _heartbeats,
+    _settings_sink,
+    kubernetes_settings,
+    make_driver,
+)
+from cpn.cli.agent import agent_cmd
 from cpn.client import Client
 from cpn.core.errors import InvalidInput
+from layers.resource.schemas import KubernetesRef
 from tests.kube_stub import KubeStub, make_node
 
 SITE = {"apiVersion": "cpn/v1", "kind": "Site", "metadata": {"name": "fra-1"}, "spec": {"region": "eu-central"}}
@@ -129,3 +139,27 @@ def test_agent_network_options_are_checked_and_become_worker_variables(tmp_path:
         AgentConfig(cluster="lab", server="http://x", local=True, nccl_env={"LD_PRELOAD": "/tmp/x.so"})
     with pytest.raises(InvalidInput, match="not an interface name"):
         AgentConfig(cluster="lab", server="http://x", local=True, socket_ifname="eth0; rm -rf /")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nccl-env", "NCCL_IB_TIMEOUT"], "write KEY=VALUE"),
+    (["--nccl-env", "LD_PRELOAD=/tmp/x.so"], "only NCCL_"),
+    (["--socket-ifname", "eth0 eth1"], "not an interface name"),
+])
+def test_cli_network_options_are_refused_with_the_fix(args: list[str], message: str, tmp_path: Path,
+                                                      monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("CPN_CONFIG", str(tmp_path / "none"))
+    result = CliRunner().invoke(agent_cmd, ["--cluster", "c", "--local", "--once", "--server", "http://127.0.0.1:9",
+                                            "--token", "t", *args])
+    assert result.exit_code in (1, 2) and message in result.stderr, result.output
+
+
+def test_a_kubeconfig_for_another_server_is_warned_about(kubeconfig: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    cfg = AgentConfig(cluster="fra-k8s", server="http://cpn.example", kubeconfig=kubeconfig)
+    caplog.set_level("WARNING", logger="cpn.agent")
+    driver = make_driver(cfg, KubernetesRef(server="https://k8s.fra-1.example:6443"))
+    _check_server(driver, driver.cluster)
+    assert "spec.kubernetes.server is https://k8s.fra-1.example:6443" in caplog.text
+    caplog.clear()
+    _check_server(driver, KubernetesRef(server=driver.server + "/"))
+    assert caplog.text == ""
