@@ -197,3 +197,17 @@ async def test_quotes_show_how_they_stand_and_none_binds_means_no_quota_field(ap
     openapi = await (await api.client.get("/api/v1/openapi.json")).json()
     assert "quota" in openapi["components"]["schemas"]["QuotePublic"]["properties"]
     assert "/api/v1/quotas" in openapi["paths"] and "/api/v1/teams/{name}" in openapi["paths"]
+
+
+async def test_a_profile_run_leases_gpus_only_within_max_gpus(api, db) -> None:
+    """spec.profile leases a GPU at submission, before any quote: maxGpus counts it too."""
+    await register_world(api)
+    assert (await create(api, "quotas", quota("one-gpu", account="alice", maxGpus=1))).status == 201
+    profiled = {"model": "tiny", "tokens": 100 * 1024, "globalBatchTokens": 1024, "strategy": "ddp",
+                "gpus": {"min": 1, "max": 1}, "profile": True}
+    assert (await submit(api, job("p1", **profiled))).status == 201
+    refused = await submit(api, job("p2", **profiled))
+    err = (await refused.json())["error"]
+    assert refused.status == 409 and err["code"] == "quota_exceeded" and "'one-gpu'" in err["message"], err
+    async with db.session() as s:
+        assert await s.scalar(select(func.sum(LeaseRow.gpus))) == 1

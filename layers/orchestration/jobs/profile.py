@@ -38,6 +38,7 @@ from layers.orchestration.lifecycle.models import MetricRow, SubtaskRow
 from layers.orchestration.lifecycle.plan import attempt_plan
 from layers.orchestration.planning.perf import intra_gbps_by_site
 from layers.orchestration.planning.types import Assignment, ClusterOffer, Profiled
+from layers.orchestration.quotas import usage as quotas
 from layers.resource.models import ClusterRow
 from layers.service.contracts import subtask_name
 from layers.service.jobs import set_phase, update_status
@@ -106,6 +107,7 @@ async def start(session: AsyncSession, job: JobRow, spec: TrainingJobSpec, rows:
                                   field="spec.profile") from exc
     train, steps = profile_train(spec, train)
     name = subtask_name(job.name, cluster)
+    await quotas.admit_gpus(session, job, int(line["gpus"]), now)  # a profile run's GPUs count against maxGpus
     try:
         await leases.reserve(session, job=job.name, owner_id=job.owner_id, contract_id=None,
                              wants=[leases.Want(subtask=name, cluster=cluster, gpus=int(line["gpus"]))],

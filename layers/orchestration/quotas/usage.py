@@ -204,10 +204,21 @@ async def admit(session: AsyncSession, job: JobRow, quote: QuoteRow, now: dateti
     """Refuse (409 QuotaExceeded) an accept of `quote` that would take the job's account or one of its
     teams past a quota. Called in the accept's transaction before the leases are taken; the binding
     quota rows stay locked until it commits."""
+    await admit_request(session, job, Request.of(quote.placement, quote.lines, quote.total, quote.currency), now)
+
+
+async def admit_gpus(session: AsyncSession, job: JobRow, gpus: int, now: datetime | None = None) -> None:
+    """`admit` for GPUs leased before any quote (a profile run, spec.profile): only maxGpus can refuse it."""
+    await admit_request(session, job, Request(gpus=gpus, gpu_hours=Decimal(0), spend=Decimal(0), currency="",
+                                              jobs=0), now, only=("maxGpus",))
+
+
+async def admit_request(session: AsyncSession, job: JobRow, request: Request, now: datetime | None = None,
+                        only: tuple[str, ...] | None = None) -> None:
     account = split_key(job.name)[0] or ""
-    found = await standing(session, account, Request.of(quote.placement, quote.lines, quote.total, quote.currency),
-                           now, lock=True)
-    failed = next((c for c in (found or {}).get("checks", []) if not c["fits"]), None)
+    found = await standing(session, account, request, now, lock=True)
+    failed = next((c for c in (found or {}).get("checks", []) if not c["fits"] and (only is None or c["resource"] in only)),
+                  None)
     if failed is not None:
         raise errors.QuotaExceeded(refusal(failed), field="quote", details=failed)
 
