@@ -29,6 +29,7 @@ from layers.resource import gpus
 from layers.resource.catalog import REGIONS
 from layers.resource.discovery.fabric import local_fabric
 from layers.resource.discovery.kubernetes import DiscoveredPool, discover
+from layers.resource.drivers.base import DriverError
 from layers.resource.gpus import CPU_SLOT_TFLOPS
 from layers.resource.schemas import IFNAME_RE, FabricReport, KubernetesRef
 
@@ -242,7 +243,7 @@ def _check_server(driver: Any, kube: KubernetesRef | None) -> None:
         return
     try:
         found = driver.server
-    except Exception as exc:  # noqa: BLE001 - a broken kubeconfig is reported by discovery and launches
+    except DriverError as exc:  # a broken kubeconfig: discovery and launches report it
         log.warning("cannot read the kubeconfig's server: %s", exc)
         return
     if found.rstrip("/") != kube.server.rstrip("/"):
