@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import re
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -134,6 +135,57 @@ class LocalDevices:
     count: int
     gpu: gpus.GpuModelInfo | None
     name: str
+
+
+async def run_agent_until_stopped(cfg: AgentConfig,
+                                  signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> str | None:
+    """:func:`run_agent` until it ends or one of `signals` arrives; then, before returning the signal's
+    name, a goodbye (:func:`goodbye`): the cluster is not Ready from that moment, not only once its
+    heartbeat has timed out, so no new work is placed on a site whose agent is gone."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(run_agent(cfg))
+    stopped: list[str] = []
+
+    def stop(sig: signal.Signals) -> None:
+        if not stopped:
+            stopped.append(sig.name)
+            task.cancel()
+
+    for sig in signals:
+        loop.add_signal_handler(sig, stop, sig)
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not stopped:  # cancelled from outside, not by a signal
+            raise
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+    if stopped:
+        log.info("agent for cluster %s: %s received, saying goodbye", cfg.cluster, stopped[0])
+        await goodbye(cfg, f"the agent was stopped ({stopped[0]})")
+        return stopped[0]
+    return None
+
+
+GOODBYE_TIMEOUT = 5.0  # seconds a stopping agent waits for the server to take its goodbye
+
+
+async def goodbye(cfg: AgentConfig, why: str) -> bool:
+    """One last heartbeat with the provider's token: the cluster reports itself not Ready (reason
+    AgentStopped) with no GPU free. Best effort: an unreachable server is logged (the heartbeat timeout
+    then does the same, later); True when the server took it."""
+    body = {"allocatableGpus": 0,
+            "conditions": [{"type": "Ready", "status": "False", "reason": "AgentStopped", "message": why}]}
+    try:
+        with Client(cfg.server, cfg.token, timeout=GOODBYE_TIMEOUT) as client:
+            await asyncio.to_thread(client.post, f"/api/v1/clusters/{cfg.cluster}/heartbeat", body)
+    except ApiError as exc:
+        log.warning("agent for cluster %s: goodbye not delivered (%s); the cluster stays Ready until its heartbeat "
+                    "times out", cfg.cluster, exc.message)
+        return False
+    log.info("agent for cluster %s: goodbye delivered, the cluster is not Ready", cfg.cluster)
+    return True
 
 
 async def run_agent(cfg: AgentConfig) -> None:

@@ -123,7 +123,7 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
       CPN_TOKEN=... cpn agent --cluster fra-1-h100 --kubeconfig ~/.kube/config --server https://cpn.example
       cpn agent --cluster lab-cpu --local --gpus 4 --register --site lab-1 --region eu-west --price 0.10
     """
-    from cpn.agent.heartbeat import AgentConfig, Registration, run_agent
+    from cpn.agent.heartbeat import AgentConfig, Registration, run_agent_until_stopped
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S")
@@ -149,7 +149,9 @@ def agent_cmd(cluster: str, kubeconfig: Path | None, kube_context: str | None, l
                           namespace=namespace, image=image, socket_ifname=socket_ifname, nccl_env=nccl_env,
                           advertise_address=advertise_address, state_dir=state_dir,
                           work=not no_work, keep_runs=keep_runs)
-        asyncio.run(run_agent(cfg))
+        # SIGTERM or Ctrl-C: a goodbye first, so the cluster is not Ready at once (not after the heartbeat timeout)
+        if asyncio.run(run_agent_until_stopped(cfg)) == "SIGINT":
+            raise SystemExit(130)
     except (ApiError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from exc
     except CPNError as exc:
