@@ -10,7 +10,9 @@ the summary: validation loss start → end, wall time, WAN traffic and cost per 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -194,8 +196,30 @@ def demo_cmd(tokens: int, model: str, wan: bool | None, data_dir: Path | None, k
         raise click.ClickException("--wan needs root and iproute2 (ip, tc); rerun as root or drop --wan")
     if not wan:
         click.echo("● not root: the site agents share this machine's network (no emulated WAN)")
+    temporary = data_dir is None
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="cpn-demo-"))
     data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _run_demo(data_dir, wan, tokens, model, keep)
+    finally:  # also after a failure or Ctrl-C: the files stay either way
+        click.echo(files_note(data_dir, temporary))
+
+
+def files_note(data_dir: Path, temporary: bool) -> str:
+    """Where the demo left its files (database, server and agent logs, the sites' runs), how much, and how
+    to remove them: the demo keeps them for a look afterwards, and a temporary directory is not emptied
+    until the system does it."""
+    size = 0
+    for folder, _, names in os.walk(data_dir):
+        for name in names:
+            with contextlib.suppress(OSError):
+                size += os.lstat(os.path.join(folder, name)).st_size
+    kind = "a temporary directory, kept" if temporary else "--data-dir"
+    return (f"● the demo's files (database, server and agent logs, runs: {size / 1e6:.0f} MB) are in {data_dir} "
+            f"({kind}); remove them with: rm -rf {shlex.quote(str(data_dir))}")
+
+
+def _run_demo(data_dir: Path, wan: bool, tokens: int, model: str, keep: bool) -> None:
     port = free_port()
     env = {**os.environ, "CPN_DATA_DIR": str(data_dir), "CPN_PORT": str(port), "CPN_DATABASE_URL":
            f"sqlite+aiosqlite:///{data_dir / 'cpn.db'}", "CPN_HEARTBEAT_TIMEOUT_SECONDS": "30",

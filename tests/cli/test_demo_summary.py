@@ -71,3 +71,31 @@ def test_the_demo_waits_out_its_profile_and_says_what_it_measured(capsys, monkey
 def test_the_demo_profiles_a_job_long_enough_to_be_worth_it() -> None:
     assert demo.job_manifest(3_000_000, "tiny")["spec"]["profile"] is True  # 976 steps: priced from its own
     assert demo.job_manifest(20_000, "tiny")["spec"]["profile"] is False  # 6 steps: the profile would be the run
+
+
+def test_the_demo_says_where_its_files_are_and_how_to_remove_them(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 32: `cpn demo` left 320 MB in the temporary directory without a word. Its last line, also after
+    a failure, names the folder, its size and the command that removes it."""
+    import click
+    import pytest
+
+    folder = tmp_path / "cpn demo"
+    (folder / "sites" / "runs").mkdir(parents=True)
+    (folder / "cpn.db").write_bytes(b"x" * 2_500_000)
+    (folder / "sites" / "runs" / "rank0.log").write_bytes(b"y" * 1_000_000)
+    note = demo.files_note(folder, temporary=True)
+    assert note == (f"● the demo's files (database, server and agent logs, runs: 4 MB) are in {folder} (a temporary "
+                    f"directory, kept); remove them with: rm -rf '{folder}'")
+    assert "--data-dir" in demo.files_note(folder, temporary=False)
+
+    said: list[str] = []
+    monkeypatch.setattr(demo.tempfile, "mkdtemp", lambda prefix: str(folder))
+    monkeypatch.setattr(click, "echo", lambda text="", **_: said.append(str(text)))
+
+    def broken(*args: object) -> None:
+        raise click.ClickException("no site became Ready")
+
+    monkeypatch.setattr(demo, "_run_demo", broken)
+    with pytest.raises(click.ClickException):
+        demo.demo_cmd.callback(tokens=1, model="tiny", wan=False, data_dir=None, keep=False)
+    assert said[-1].startswith("● the demo's files") and f"rm -rf '{folder}'" in said[-1], said
