@@ -136,6 +136,8 @@ async def test_run_follow_shows_progress_and_logs_and_exits_0_on_success(api, db
     assert lines[-1].startswith("trainingjob/lm Succeeded")
     assert "lm: Succeeded" in out.stderr, out.stderr  # progress on stderr, the final phase among it
     assert (await _get(api, "/api/v1/jobs/lm"))["status"]["phase"] == "Succeeded"
+    again = await cpnctl(api, "alice", "run", "-f", _manifest(tmp_path, "lm"), "--quote", "cheapest", "--follow")
+    assert again.code == 1 and "lm already ended Succeeded, nothing new was run" in again.stderr, again
 
 
 async def test_run_follow_exits_1_when_the_job_fails(api, db, tmp_path: Path,  # type: ignore[no-untyped-def]

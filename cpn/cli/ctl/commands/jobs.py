@@ -319,9 +319,13 @@ def run(obj: Ctx, source: str, quote: str, max_price: str | None, follow: bool, 
     result = apply_documents(obj, docs, source)
     for item in result["items"]:
         click.echo(f"{item['kind'].lower()}/{item['name']} {item['action']}")
-    name = next(i["name"] for i in result["items"] if i["kind"] == "TrainingJob")
+    applied = next(i for i in result["items"] if i["kind"] == "TrainingJob")
+    name = applied["name"]
     manifest = _quoted(obj, name, interval)
     phase = manifest["status"]["phase"]
+    if phase in TERMINAL and applied["action"] != "unchanged":  # a profile run that failed, say
+        raise click.ClickException(f"{name} ended {phase} before it was quoted: "
+                                   f"{manifest['status'].get('message') or 'see cpnctl describe job ' + name}")
     if phase in TERMINAL:
         raise click.ClickException(f"{name} already ended {phase}, nothing new was run: to run it again delete it "
                                    f"(cpnctl delete job {name}) or give the manifest a new metadata.name")
@@ -407,6 +411,10 @@ def _follow(obj: Ctx, job: str, currency: str, interval: float) -> None:
             click.echo(line)
         for _ in _until_done(obj, job, 0, interval):  # the stream ends with the job; should it end early, wait
             pass
+    except KeyboardInterrupt:
+        click.echo(f"stopped following; {job} goes on (cpnctl wait {job}, cpnctl logs {job} -f, cpnctl cancel {job})",
+                   err=True)
+        raise
     finally:
         stop.set()
         thread.join(timeout=30)
