@@ -175,6 +175,7 @@ const API = {
   events: (name) => api(`/api/v1/events?job=${enc(name)}`),
   providerSubtasks: () => api("/api/v1/subtasks"),
   invoices: () => api("/api/v1/invoices"),
+  quotas: () => api("/api/v1/quotas"),
 };
 
 /** The world outline shipped with the portal (Natural Earth 1:110m land), fetched once. */
@@ -1047,12 +1048,13 @@ async function renderBilling(main) {
   main.append(el("h1", {}, provider ? "Payouts" : "Invoices"), body);
   await poll(LIST_POLL_MS, async () => {
     const items = (await API.invoices()).items;
+    const quotas = provider ? [] : quotaSections((await API.quotas()).items);
     if (!items.length) {
-      body.replaceChildren(el("p", { class: "muted" }, provider ? "No payouts yet." : "No invoices yet."));
+      body.replaceChildren(...quotas, el("p", { class: "muted" }, provider ? "No payouts yet." : "No invoices yet."));
       return;
     }
     const grand = items.reduce((sum, inv) => sum + Number(inv.status.total || 0), 0);
-    body.replaceChildren(
+    body.replaceChildren(...quotas,
       el("p", { class: "total" }, `${provider ? "Earned" : "Billed"} in total: ${grand.toFixed(2)} ${items[0].spec.currency || ""}`),
       ...items.map((inv) => {
         const cur = inv.spec.currency || "";
@@ -1066,6 +1068,19 @@ async function renderBilling(main) {
             "No lines.", `Lines of ${jobName(inv.spec.job)}`));
       }));
   });
+}
+
+const QUOTA_LIMITS = [["maxGpus", "gpus", "GPUs held now"], ["maxJobs", "jobs", "jobs active now"],
+  ["gpuHoursPerMonth", "gpuHours", "GPU-hours this month"], ["spendPerMonth", "spend", "spend this month"]];
+
+/** The quotas binding the user (theirs and their teams'): each limit against what it counts, as
+ * `cpnctl describe quota` shows them. None bind: nothing is shown. */
+function quotaSections(items) {
+  if (!items.length) return [];
+  const rows = items.flatMap((q) => QUOTA_LIMITS.filter(([key]) => q.spec[key] !== undefined).map(([key, field, what]) => [
+    q.metadata.name, q.status.boundTo, key, String(q.status.used[field]),
+    key === "spendPerMonth" ? `${q.spec[key]} ${q.spec.currency || ""}` : String(q.spec[key]), what]));
+  return [section("Quotas", table(["Quota", "Bound to", "Limit", "Used", "Of", "Counts"], rows, "No limits.", "Quotas"))];
 }
 
 const CONTRACT_WORDS = { active: "running: this invoice grows until the job ends", completed: "final (job succeeded)",
