@@ -132,16 +132,26 @@ async def job_quotes_read_once(db: Database, principal: Principal, name: str) ->
     """`job_quotes` in one round trip (no transaction) for the common case: the caller's own job, or
     one named "ns/name", that has open quotes. None: anything else (not found, not visible, an admin's
     bare name in another namespace, an accepted job), which `job_quotes` answers as it always has."""
+    found = await job_quotes_and(db, principal, name)
+    return None if found is None else found[0]
+
+
+async def job_quotes_and(db: Database, principal: Principal, name: str, also: Any = None,
+                         params: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], Any] | None:
+    """`job_quotes_read_once`, and in the same statement the value of a caller's column `also` (a layer
+    above asks something of its own on the way, e.g. whether a quota binds the owner; `params`: its
+    bind parameters), returned beside the quotes."""
     key = JobStore().key(principal, name)
     if is_retired(key):
         return None
-    rows = await db.read_rows(_JOB_AND_OPEN_QUOTES, {"key": key})
+    stmt = _JOB_AND_OPEN_QUOTES if also is None else _JOB_AND_OPEN_QUOTES.add_columns(also.label("also"))
+    rows = await db.read_rows(stmt, {"key": key, **(params or {})})
     if not rows or rows[0].id is None:
         return None
     first = rows[0]
     if not JobStore().visible(principal, _Owned(first.job_owner, first.job_name)):
         return None
-    return _shown(_by_label(rows), first.job_spec, first.job_status or {})
+    return _shown(_by_label(rows), first.job_spec, first.job_status or {}), (first.also if also is not None else None)
 
 
 class _Owned:

@@ -10,7 +10,7 @@ from cpn.api.middleware import principal_of
 from cpn.api.openapi import RouteDoc
 from cpn.api.routes import add
 from cpn.core.db import as_utc
-from cpn.core.store import NS_SEP, split_key
+from cpn.core.store import split_key
 from layers.control import leases
 from layers.orchestration.events import list_events
 from layers.orchestration.jobs.workflow import Timeouts, accept_quote
@@ -24,16 +24,20 @@ TIMEOUTS = web.AppKey("timeouts", Timeouts)
 
 
 async def get_quotes(request: web.Request) -> web.Response:
+    """The job's quotes, each open one with how it stands against the quotas binding its owner: in the common
+    case one statement (the quotes, and whether any quota binds), and the quotas' usage only when one does."""
     db, principal, name = request.app[state.DB], principal_of(request), request.match_info["name"]
-    items = await quotes_mod.job_quotes_read_once(db, principal, name)
-    if items is None:  # not the common case (see job_quotes_read_once): the full lookup
+    owner = split_key(JobStore().key(principal, name))[0] or ""
+    found = await quotes_mod.job_quotes_and(db, principal, name, quotas.BINDS, {quotas.BINDS_ACCOUNT: owner})
+    if found is not None:
+        items, bound = found
+        if bound:
+            async with db.session() as s:
+                await quotas.annotate(s, owner, items)
+    else:  # not the common case (see job_quotes_read_once): the full lookup
         async with db.session() as s:
             items = await quotes_mod.job_quotes(s, principal, name)
-    if any(q.get("state") == "open" for q in items):  # how each stands against the owner's quotas
-        async with db.session() as s:
-            owner = (split_key((await load_job(s, principal, name)).name)[0] if principal.is_admin and NS_SEP not in name
-                     else split_key(JobStore().key(principal, name))[0])
-            await quotas.annotate(s, owner or "", items)
+            await quotas.annotate(s, split_key((await load_job(s, principal, name)).name)[0] or "", items)
     return json_response({"apiVersion": "cpn/v1", "kind": "List", "items": items})
 
 

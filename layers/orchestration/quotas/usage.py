@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import bindparam, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from cpn.core import errors
@@ -90,15 +90,20 @@ def bound_to(row: QuotaRow) -> str:
     return f"team/{row.team}" if row.team else f"account/{row.account}"
 
 
-def teams_of_stmt(account: str) -> Any:
+def teams_of_stmt(account: Any) -> Any:
     return select(TeamRow.name).join(TeamMemberRow, TeamMemberRow.team_id == TeamRow.id).where(
         TeamMemberRow.account == account)
 
 
-def binding_stmt(account: str) -> Any:
+def binding_stmt(account: Any) -> Any:
     """The quotas that bind `account`: its own and its teams'."""
     return select(QuotaRow).where(or_(QuotaRow.account == account, QuotaRow.team.in_(teams_of_stmt(account)))
                                   ).order_by(QuotaRow.name)
+
+
+BINDS_ACCOUNT = "quota_account"
+# whether any quota binds the account given as BINDS_ACCOUNT: a column a caller's own read can carry (built once)
+BINDS = binding_stmt(bindparam(BINDS_ACCOUNT)).exists()
 
 
 async def binding(session: AsyncSession, account: str, *, lock: bool = False) -> list[QuotaRow]:
