@@ -211,3 +211,13 @@ async def test_a_profile_run_leases_gpus_only_within_max_gpus(api, db) -> None:
     assert refused.status == 409 and err["code"] == "quota_exceeded" and "'one-gpu'" in err["message"], err
     async with db.session() as s:
         assert await s.scalar(select(func.sum(LeaseRow.gpus))) == 1
+
+
+async def test_a_dry_run_shows_how_its_quotes_stand(api) -> None:
+    await register_world(api)
+    assert (await create(api, "quotas", quota("small", account="alice", maxGpus=2))).status == 201
+    resp = await api.client.post("/api/v1/jobs?dryRun=true", json=job("d", **FOUR), headers=api.auth("alice"))
+    assert resp.status == 200, await resp.text()
+    for q in (await resp.json())["status"]["quotes"]:
+        assert q["quota"]["fits"] is False and q["quota"]["checks"][0]["requested"] == "4"
+        assert "over quota small maxGpus (0 used + 4 > 2)" in q["note"]

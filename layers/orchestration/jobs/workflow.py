@@ -324,6 +324,7 @@ async def preview(session: AsyncSession, principal: Principal, body: Any, t: Tim
     now = datetime.now(UTC)
     rows = await price_options(session, spec, t, now, owner=(principal.account_id, principal.name))
     quotes = quotes_mod.views([quotes_mod.public(q) for q in rows], None, now=now)
+    await quotas.annotate(session, principal.name, quotes, now)  # how each stands against the caller's quotas
     wire = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
     return {**wire, "status": {"phase": "Quoted", "dryRun": True, "draft": draft, "quotes": quotes}}
 
