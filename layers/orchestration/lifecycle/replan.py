@@ -28,6 +28,7 @@ from layers.orchestration.jobs.requirements import objective, planner_inputs, re
 from layers.orchestration.jobs.workflow import data_transfers, pricing_inputs, solver_for
 from layers.orchestration.planning import placement
 from layers.orchestration.planning.types import JobRequirements, Plan
+from layers.orchestration.quotas import usage as quotas
 from layers.service import pricing
 from layers.service.contracts import subtask_name
 from layers.service.jobs import update_status
@@ -49,6 +50,12 @@ async def replace_placement(s: AsyncSession, job: JobRow, failed_sites: set[str]
                               data_replicas=replicas_of(job.status["placement"]) or req.data_replicas)
     await leases.release(s, job.name, "re-placing after a site failure")
     await s.flush()
+    room = await quotas.gpu_room(s, job)  # the owner's maxGpus quota holds for the new placement too
+    if room is not None:
+        if room[0] < req.gpus_min:
+            raise errors.Infeasible(f"no placement without {sorted(failed_sites)} within quota {room[1]}: maxGpus leaves "
+                                    f"{room[0]} GPUs, the job needs at least {req.gpus_min}", field="spec.gpus.min")
+        req = dataclasses.replace(req, gpus_max=min(req.gpus_max or room[0], room[0]))
     market = await capacity.offer_set(s, heartbeat_timeout)
     offers, wan = planner_inputs(list(market.offers), list(market.links), spec.currency)
     replicated = req.strategy == "pipeline" and (req.data_replicas > 1 or replicas_of(job.status["placement"]) is not None)

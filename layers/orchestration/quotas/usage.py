@@ -228,6 +228,20 @@ async def admit_request(session: AsyncSession, job: JobRow, request: Request, no
         raise errors.QuotaExceeded(refusal(failed), field="quote", details=failed)
 
 
+async def gpu_room(session: AsyncSession, job: JobRow, now: datetime | None = None) -> tuple[int, str] | None:
+    """(GPUs the job's owner may still lease under its tightest maxGpus quota, that quota's name), or None when
+    no maxGpus binds it. Locks the binding quota rows (as `admit`): a re-placement (replan.py) leases within it."""
+    room: tuple[int, str] | None = None
+    for row in await binding(session, split_key(job.name)[0] or "", lock=True):
+        limit = (row.spec or {}).get("maxGpus")
+        if limit is None:
+            continue
+        left = max(0, int(limit) - (await usage(session, row, now)).gpus)
+        if room is None or left < room[0]:
+            room = (left, f"{row.name} ({bound_to(row)})")
+    return room
+
+
 def refusal(check: dict[str, Any]) -> str:
     """The 409's message: the quota, what it binds, what is used, the limit and what to do."""
     c = check
