@@ -69,8 +69,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if item.path.parent.name == "runtime" and item.path.parent.parent.name == "tests":
             # the runtime's tests fork torch workers; forked from an xdist worker (a threaded process) two
-            # of them hung in CI on 2026-11-28: CI runs them in its serial step, without xdist
-            item.add_marker(pytest.mark.serial)
+            # of them hung in CI on 2026-11-28: CI runs them in a pytest of their own, without xdist
+            item.add_marker(pytest.mark.forks)
         if item.get_closest_marker("postgres") and not on_pg:
             item.add_marker(pytest.mark.skip(reason="runs in CI's PostgreSQL pass (CPN_TEST_DATABASE_URL is unset)"))
 

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,8 +56,7 @@ class LocalSites:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name in list(self.procs):
-            self.stop(name)
+        self.stop_all()
         for pid_file in self.state_root.glob("*/runs/*/attempt-*/*/runner.pid"):  # runs left behind
             pid = runner_pid(pid_file.parent)
             if pid is not None:
@@ -115,12 +115,20 @@ class LocalSites:
             proc.wait()
 
     def stop(self, name: str) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        self.stop_all([name])
+
+    def stop_all(self, names: list[str] | None = None) -> None:
+        """SIGTERM the agents (all, or `names`) at once, then wait for them: each takes up to its poll
+        interval to leave, one after the other that added up."""
+        procs = [p for p in (self.procs.pop(n, None) for n in (list(self.procs) if names is None else names))
+                 if p is not None and p.poll() is None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -29,6 +29,7 @@ log = logging.getLogger("cpn.agent")
 DONE = SUBTASK_DONE
 REPORT_EVERY = 10.0  # seconds: a keep-alive report even when nothing changed
 WATCH_SECONDS = 15
+STOPPING_GRACE_SECONDS = 60.0  # a claim waits this long for devices that runs being stopped still hold
 LAUNCH_FAILED = -1  # exit code reported when the driver could not start a sub-task: the site's fault
 
 
@@ -69,6 +70,7 @@ class WorkLoop:
         self.version: str | None = None
         self.deferred = False
         self.refused: set[str] = set()  # sub-tasks whose launch failed here: reported, never retried
+        self.waiting: dict[str, float] = {}  # sub-task → when its claim first waited for a stopping run's devices
         self.orphans: list[Run] = []  # runs of an earlier life the server no longer wants: stopped, awaited
         self.adopted = False
 
@@ -114,6 +116,8 @@ class WorkLoop:
             self.orphans.append(run)
         elif not await self._cleanup(run):
             self.orphans.append(run)  # its runner is still exiting: deleted on a later pass
+        else:
+            self._release(run.spec)  # it ended while this agent was away: its devices are free again
 
     def held_slots(self) -> int:
         """Slots taken by orphans that are still stopping: the site must not offer them."""
@@ -169,7 +173,25 @@ class WorkLoop:
             if claimable and uid not in self.runs and uid not in self.refused:
                 await self._claim_and_launch(uid, item)
 
+    def _held_by_stopping_runs(self, uid: str, item: dict[str, Any]) -> bool:
+        """Whether this sub-task's devices are still held by runs being stopped (a cancelled job's workers
+        take a moment to exit, and the server leased their GPUs again at the cancel): its claim then waits
+        for them, up to STOPPING_GRACE_SECONDS, instead of failing the new job for GPUs that free in seconds."""
+        if self.devices is None or len(self.devices.free()) >= int(item["spec"].get("gpus") or 1):
+            self.waiting.pop(uid, None)
+            return False
+        stopping = any(self.desired.get(u) == "Stop" or r.stop_sent for u, r in self.runs.items())
+        first = self.waiting.setdefault(uid, time.monotonic())
+        if not stopping or time.monotonic() - first > STOPPING_GRACE_SECONDS:
+            self.waiting.pop(uid, None)
+            return False
+        return True
+
     async def _claim_and_launch(self, uid: str, item: dict[str, Any]) -> None:
+        if self._held_by_stopping_runs(uid, item):
+            log.info("claim of %s waits: its devices are held by a run being stopped", item["metadata"]["name"])
+            self.deferred = True
+            return
         body: dict[str, Any] = {}
         if item["spec"]["firstRank"] == 0:
             body["rendezvous"] = Endpoint(host=self.advertise, port=free_port(agent_port_range())).model_dump()

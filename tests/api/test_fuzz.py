@@ -56,6 +56,7 @@ def _st() -> str:
     return exe
 
 
+@pytest.mark.postgres  # run once, against PostgreSQL (stricter types than SQLite: where a fuzzed value can break)
 @pytest.mark.parametrize("role", ["admin", "user"])
 def test_schemathesis_finds_nothing(role: str, db_url: str, tmp_path: Path) -> None:
     st = _st()

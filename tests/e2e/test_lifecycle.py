@@ -21,7 +21,9 @@ from cpn.cli.demo import LINKS, PROVIDERS, world
 from cpn.runtime.launcher import free_port
 from tests.conftest import LiveServer, start_server, stop_server
 
-pytestmark = pytest.mark.slow
+# slow; and run once, in CI's PostgreSQL pass (the production database), not again against SQLite: the other
+# end-to-end modules run through agents on SQLite
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 TOKENS = 240_000
 DONE = ("Succeeded", "Failed", "Cancelled")
 
@@ -56,9 +58,28 @@ class World:
         self.wait_ready(len(self.clusters))
 
     def close(self) -> None:
+        self.sites.__exit__(None, None, None)  # the agents first: their long polls held the server's stop
         if self.server.proc.poll() is None:
             stop_server(self.server)
-        self.sites.__exit__(None, None, None)
+
+    def heal(self, timeout: float = 90) -> None:
+        """Between tests sharing this world: the server and every agent running, every cluster Ready, no
+        lease held (a cancelled or killed job's runs have ended)."""
+        if self.server.proc.poll() is not None:
+            self.server = start_server(self.db_url, self.tmp, self.env, port=self.port, host=self.sites.server_host)
+        for name, cluster in self.clusters.items():
+            proc = self.sites.procs.get(name)
+            if proc is None or proc.poll() is not None:
+                self.sites.start(cluster)
+        self.wait_ready(len(self.clusters), timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            held = [x for x in self.call(self.admin, "GET", "/api/v1/reservations")["items"]
+                    if x["status"]["state"] == "active"]
+            if not held:
+                return
+            assert time.monotonic() < deadline, f"leases still held {timeout:.0f} s after the last test: {held}"
+            time.sleep(0.5)
 
     def call(self, token: str, method: str, path: str, body: dict | None = None, ok: bool = True) -> dict:
         resp = httpx.request(method, f"{self.server.url}{path}", json=body, timeout=60,
@@ -117,11 +138,19 @@ class World:
         return next(t["spec"]["cluster"] for t in subtasks if t["spec"]["firstRank"] == index)
 
 
-@pytest.fixture
-def w(db_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
-    world_ = World(db_url, tmp_path)
+@pytest.fixture(scope="module")
+def shared_world(db_factory, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """One server and four agents for the module (their start and stop cost ~20 s a test); every test
+    runs its own jobs, and `w` brings back what the previous test killed."""
+    world_ = World(db_factory.new(), tmp_path_factory.mktemp("lifecycle"))
     yield world_
     world_.close()
+
+
+@pytest.fixture
+def w(shared_world: World) -> World:
+    shared_world.heal()
+    return shared_world
 
 
 def _ancestors(pid: int) -> list[int]:
@@ -200,10 +229,15 @@ def test_agents_run_the_work_and_a_killed_agent_readopts_its_workers(w: World) -
 
 
 def test_providers_see_and_claim_only_their_own_subtasks(w: World) -> None:
+    def beta_new() -> list[dict]:  # the world is shared: beta-dc's sub-tasks of earlier tests' jobs are not this one's
+        return [t for t in w.call(w.providers["beta-dc"], "GET", "/api/v1/subtasks")["items"]
+                if t["metadata"]["uid"] not in earlier]
+
+    earlier = {t["metadata"]["uid"] for t in w.call(w.providers["beta-dc"], "GET", "/api/v1/subtasks")["items"]}
     w.submit("isolated", tokens=120_000)
     try:
         deadline = time.monotonic() + 30
-        while not (beta := w.call(w.providers["beta-dc"], "GET", "/api/v1/subtasks")["items"]):
+        while not (beta := beta_new()):
             assert time.monotonic() < deadline, "the reconciler wrote no sub-tasks"
             time.sleep(0.3)
         assert beta and {t["spec"]["cluster"] for t in beta} == {"nyc-1-cpu"}
@@ -233,7 +267,7 @@ def test_api_server_restart_mid_job_launches_nothing_twice(w: World) -> None:
         w.server = new
 
     job = w.run("restart-me", on_progress=restart)
-    assert restarted, "the server was never restarted"
+    assert restarted, f"the server was never restarted: {job['status']}"
     assert job["status"]["phase"] == "Succeeded", job["status"]
     subtasks = w.call(w.user, "GET", "/api/v1/jobs/restart-me/subtasks")["items"]
     assert len(subtasks) == 3 and all(t["status"]["launches"] == 1 and t["spec"]["attempt"] == 1 for t in subtasks)
