@@ -21,6 +21,7 @@ from cpn.core.db import Database
 from cpn.core.principal import Role
 from cpn.core.settings import Settings
 from cpn.runtime.launcher import free_port
+from tests import durations
 
 pytest_plugins: list[str] = []
 if (Path(__file__).parent / "conftest_kube.py").exists():
@@ -54,6 +55,8 @@ def _with_db(url: str, name: str) -> str:
 
 # fixtures that start real processes (a `cpn serve`, S x W torch workers): a test using one is `slow`
 SLOW_FIXTURES = {"live_server", "run_workers"}
+# and a test that took this long when last recorded (tests/durations.json, written by `python -m tests.durations`)
+SLOW_SECONDS = 1.5
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -61,11 +64,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     runs `-m db` only. `slow` marks every test whose fixtures start processes (SLOW_FIXTURES). A
     `postgres` test runs only when CPN_TEST_DATABASE_URL is set, i.e. in that pass."""
     on_pg = bool(_pg_url())
+    took = durations.load()
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if "db_factory" in fixtures:
             item.add_marker(pytest.mark.db)
-        if fixtures & SLOW_FIXTURES:
+        if fixtures & SLOW_FIXTURES or took.get(item.nodeid, 0.0) >= SLOW_SECONDS:
             item.add_marker(pytest.mark.slow)
         if item.path.parent.name == "runtime" and item.path.parent.parent.name == "tests":
             # the runtime's tests fork torch workers; forked from an xdist worker (a threaded process) two

@@ -173,11 +173,48 @@ class _Worker:
     stopped: str | None = None
 
 
+class _Served(_Forked):
+    """A worker forked by the fork server: not this process's child, so watched through its Process."""
+
+    def __init__(self, proc: Any) -> None:
+        super().__init__(proc.pid)
+        self._proc = proc
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._proc.is_alive():
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+
+# what the fork server imports once, before it forks any worker
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cpn.runtime.train"]
+
+
+def _serve_fork(env: dict[str, str], log_path: Path | None) -> _Served:
+    """A worker forked from multiprocessing's fork server: a fresh interpreter (exec'd, never forked from this
+    one) that imported torch once. Forking this process itself copies whatever its other threads held at
+    that instant (a test session's leftover threads, its OpenMP pool): such children hung at random in
+    long runs, both survivors of the ps fail-over test twice in CI."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    proc = ctx.Process(target=_child, args=(env, log_path), daemon=True)
+    proc.start()
+    return _Served(proc)
+
+
 def _fork(env: dict[str, str], log_path: Path | None) -> _Forked:
     """Fork a worker that shares this process's imports (tests: no 1-2 s torch import per rank)."""
     pid = os.fork()
     if pid:
         return _Forked(pid)
+    _child(env, log_path)
+    raise AssertionError("unreachable")  # _child exits
+
+
+def _child(env: dict[str, str], log_path: Path | None) -> None:
+    """In a forked worker: its own session and log, the job's environment, the entry point; then exit."""
     code = 1
     try:
         os.setsid()
@@ -234,7 +271,7 @@ def _start(
     wan: WanEmulator | None,
     env: Mapping[str, str],
     capture: bool,
-    fork: bool,
+    fork: str | None,
 ) -> list[_Worker]:
     spec = rundir / "spec.pkl"
     spec.write_bytes(pickle.dumps({"entry": ref, "args": args}))
@@ -250,7 +287,12 @@ def _start(
         argv = wan.wrap(site, argv) if wan else argv
         log_path = rundir / f"rank{rank}.log" if capture else None
         wenv = _worker_env(topology, rank, port, master, extra)
-        proc = _fork(wenv, log_path) if fork else _popen(argv, wenv, log_path)
+        if fork == "forkserver":
+            proc: subprocess.Popen[bytes] | _Forked = _serve_fork(wenv, log_path)
+        elif fork == "fork":
+            proc = _fork(wenv, log_path)
+        else:
+            proc = _popen(argv, wenv, log_path)
         workers.append(_Worker(rank, site, proc, Path(extra[ENV_RESULT]), log_path))
     return workers
 
@@ -363,7 +405,7 @@ def launch(
     capture_output: bool = False,
     check: bool = True,
     per_link: bool = True,
-    start_method: Literal["spawn", "fork"] = "spawn",
+    start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
     emulate_wan: bool | None = None,
 ) -> list[WorkerResult]:
     """Run ``entrypoint`` on ``topology.world_size`` local processes; results in rank order.
@@ -374,14 +416,16 @@ def launch(
     per-link rates (``per_link``), ``False`` keeps it off.  ``check`` raises :class:`WorkerFailed`/:class:`LaunchTimeout` with the
     workers' results (``capture_output`` keeps each worker's log tail in them).  ``start_method="fork"``
     skips the interpreter start and torch import per worker (for tests); it cannot enter a namespace,
-    needs a callable entry point, and must not be used once this process has initialised torch.distributed.
+    needs a callable entry point, and must not be used once this process has initialised torch.distributed
+    or runs other threads. ``"forkserver"`` forks from a clean server that imported torch once (what the
+    tests use; a plain fork only where a worker must inherit this process's state, a test's patch).
     """
     ref = _entry_ref(entrypoint)
     rate = wan_mbps or topology.wan_mbps
     emulate = bool(rate) if emulate_wan is None else emulate_wan
-    fork = start_method == "fork"
+    fork = start_method if start_method in ("fork", "forkserver") else None
     if fork and (emulate or ":" not in ref):
-        raise ValueError("start_method='fork' works only for callables without WAN emulation; use 'spawn'")
+        raise ValueError(f"start_method={start_method!r} works only for callables without WAN emulation; use 'spawn'")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_exit())
         rundir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cpn-launch-")))

@@ -171,7 +171,7 @@ def run_local(config: TrainConfig, topology: Topology, wan_mbps: float | None = 
     (run_dir / "summary.json").unlink(missing_ok=True)
     worker_env = {**config.to_env(), ENV_RUN_DIR: str(run_dir), **(env or {})}
     killing = config.faults.kill_at_step is not None  # a site or a PS primary (faults.kill_ps)
-    entry = "cpn.runtime.train:main" if start_method == "fork" else "cpn.runtime.train"
+    entry = "cpn.runtime.train:main" if start_method in ("fork", "forkserver") else "cpn.runtime.train"
     results = launch(topology, entry, [], wan_mbps=wan_mbps, env=worker_env, timeout=timeout,
                      failure_grace=timeout if killing else 10.0, capture_output=True, check=False,
                      start_method=start_method)

@@ -23,7 +23,7 @@ def _run_workers(
     sites: int, workers_per_site: int, fn: Callable[..., Any], *args: Any, wan_mbps: float | None = None
 ) -> list[Any]:
     topo = Topology.uniform(sites, workers_per_site)
-    method = "spawn" if wan_mbps else "fork"
+    method = "spawn" if wan_mbps else "forkserver"
     results = launch(
         topo,
         fn,

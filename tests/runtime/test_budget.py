@@ -33,7 +33,7 @@ def test_the_last_step_is_trimmed_to_what_is_left_of_the_budget() -> None:
                                                  ("gossip", {})])
 def test_an_odd_budget_on_three_workers_trains_exactly_its_tokens(strategy: str, knobs: dict, tmp_path: Path) -> None:
     summary = run_local(odd_job(strategy, **knobs), Topology.uniform(3, 1), run_dir=tmp_path, timeout=120,
-                        start_method="fork")
+                        start_method="forkserver")
     assert summary["finished_ranks"] == [0, 1, 2]
     assert summary["tokens"] == ODD, summary["tokens"]
     finals = [[m for m in map(json.loads, (tmp_path / "metrics" / f"rank{r}.jsonl").read_text().splitlines())

@@ -21,12 +21,12 @@ def cfg(**over: object) -> TrainConfig:
 
 def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tmp_path: Path) -> None:
     topo = Topology.uniform(2, 1)
-    run_local(cfg(checkpoint_dir=str(tmp_path / "a-ckpt")), topo, run_dir=tmp_path / "a", start_method="fork", timeout=120)
+    run_local(cfg(checkpoint_dir=str(tmp_path / "a-ckpt")), topo, run_dir=tmp_path / "a", start_method="forkserver", timeout=120)
     run_local(cfg(checkpoint_dir=str(tmp_path / "b-ckpt"), stop_at_step=23), topo, run_dir=tmp_path / "b",
-              start_method="fork", timeout=120)
+              start_method="forkserver", timeout=120)
     assert checkpoint.latest(tmp_path / "b-ckpt") == {"step": 20, "sites": [0, 1]}
     run_local(cfg(checkpoint_dir=str(tmp_path / "c-ckpt"), resume=str(tmp_path / "b-ckpt")), topo,
-              run_dir=tmp_path / "c", start_method="fork", timeout=120)
+              run_dir=tmp_path / "c", start_method="forkserver", timeout=120)
     a = torch.load(tmp_path / "a" / FINAL_MODEL, weights_only=True)
     c = torch.load(tmp_path / "c" / FINAL_MODEL, weights_only=True)
     for name in a:

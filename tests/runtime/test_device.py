@@ -74,7 +74,7 @@ def probe(cfg_json: str) -> dict[str, Any]:
 def _run_probe(cfg: TrainConfig, device: str) -> list[dict[str, Any]]:
     topo = _topology(device)
     results = launch(topo, probe, [cfg.model_dump_json()], capture_output=True, timeout=180, failure_grace=10,
-                     start_method="fork" if device == "cpu" else "spawn")
+                     start_method="forkserver" if device == "cpu" else "spawn")
     return [r.result for r in results]
 
 

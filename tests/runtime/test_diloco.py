@@ -27,7 +27,7 @@ def test_the_last_outer_step_averages_the_sites_models(tmp_path: Path) -> None:
     topo = Topology.uniform(2, 1)
     for name, cfg in (("diloco", one_round("diloco", outer_lr=0.5, outer_momentum=0.9, nesterov=True)),
                       ("local_sgd", one_round("local_sgd"))):
-        run_local(cfg, topo, run_dir=tmp_path / name, timeout=120, start_method="fork")
+        run_local(cfg, topo, run_dir=tmp_path / name, timeout=120, start_method="forkserver")
     diloco = torch.load(tmp_path / "diloco" / FINAL_MODEL, weights_only=True)
     average = torch.load(tmp_path / "local_sgd" / FINAL_MODEL, weights_only=True)
     initial = TrainConfig(model="tiny")  # the same seed builds the same initial weights
@@ -54,7 +54,7 @@ def test_a_killed_site_costs_the_survivors_one_wan_timeout(kill_at: int, tmp_pat
                       val_batches=2, faults=FaultConfig(kill_site=2, kill_at_step=kill_at),
                       strategy=StrategyConfig(name="diloco", inner_steps=5, overlap=True, overlap_steps=2,
                                               balance=True, compression="none", wan_timeout_seconds=TIMEOUT))
-    summary = run_local(cfg, Topology.uniform(3, 1), run_dir=tmp_path, timeout=120, start_method="fork")
+    summary = run_local(cfg, Topology.uniform(3, 1), run_dir=tmp_path, timeout=120, start_method="forkserver")
     assert summary["live_sites"] == [0, 1] and summary["finished_ranks"] == [0, 1]
     for rank in (0, 1):
         records = [json.loads(line) for line in (tmp_path / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]

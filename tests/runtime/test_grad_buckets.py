@@ -58,7 +58,7 @@ def test_bucketed_hooks_give_the_parameters_of_the_post_backward_all_reduce(tmp_
     """12 steps and a trimmed 13th on 2 sites x 2 workers: the same parameters either way (float rounding)."""
     for hooks in (True, False):
         run_local(hierarchical(hooks), Topology.uniform(2, 2), run_dir=tmp_path / str(hooks), timeout=120,
-                  start_method="fork")
+                  start_method="forkserver")
     hooked = torch.load(tmp_path / "True" / FINAL_MODEL, weights_only=True)
     after = torch.load(tmp_path / "False" / FINAL_MODEL, weights_only=True)
     start = build_model("tiny", seed=0).state_dict()

@@ -37,7 +37,7 @@ def test_two_regions_train_with_multilevel_to_the_two_level_parameters(tmp_path:
     """2 regions x 2 sites x 1 worker (gloo): the same 4 sites without region labels run the two-level
     all-reduce (with one worker per site, the flat ring); both reach the same parameters (float rounding), and the long-haul links carry a third."""
     runs = {"regions": Topology.regional(2, 2, 1), "flat": Topology.uniform(4, 1)}
-    summaries = {name: run_local(config(), topo, run_dir=tmp_path / name, timeout=180, start_method="fork")
+    summaries = {name: run_local(config(), topo, run_dir=tmp_path / name, timeout=180, start_method="forkserver")
                  for name, topo in runs.items()}
     multi, two = summaries["regions"], summaries["flat"]
     assert multi["allreduce"] == "multilevel" and two["allreduce"] == "flat"

@@ -33,7 +33,7 @@ def test_a_forked_workers_traceback_lands_in_its_own_log_not_the_parents_stream(
     """Under pytest's capture the parent's sys.stderr is not file descriptor 2: a forked worker used to
     write there, and its failure read "exited 1: (no output)"."""
     results = launch(TWO, f"{__name__}:_raise_on_rank_1", [0], capture_output=True, check=False,
-                     start_method="fork", timeout=60, failure_grace=5)
+                     start_method="forkserver", timeout=60, failure_grace=5)
     by_rank = {r.rank: r for r in results}
     assert by_rank[0].ok and by_rank[0].result == "ok"
     assert "rank 1 is about to fail" in by_rank[1].log and "ValueError: the shard is too small" in by_rank[1].log
@@ -47,7 +47,7 @@ def test_a_worker_stopped_at_the_timeout_is_named_as_such_not_as_a_silent_exit()
     # handler) 2 s after the launch, so its stacks could not say where it hung
     started = time.monotonic()
     results = launch(TWO, f"{__name__}:_sleep_on_rank_1", [60.0], capture_output=True, check=False,
-                     start_method="fork", timeout=10)
+                     start_method="forkserver", timeout=10)
     assert time.monotonic() - started < 40
     by_rank = {r.rank: r for r in results}
     assert by_rank[0].ok and by_rank[0].stopped is None

@@ -105,7 +105,7 @@ def test_multilevel_matches_torch(name: str) -> None:
         capture_output=True,
         timeout=180,
         failure_grace=5,
-        start_method="fork",
+        start_method="forkserver",
     )
     failures = sorted({f for r in results for f in r.result})
     assert not failures, "\n".join(failures)

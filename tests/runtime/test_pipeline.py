@@ -28,8 +28,8 @@ def pipe(*, steps: int, extra_tokens: int = 0, **knobs: object) -> TrainConfig:
     )
 
 
-def run(cfg: TrainConfig, run_dir: Path, sites: int, workers: int) -> dict:
-    return run_local(cfg, Topology.uniform(sites, workers), run_dir=run_dir, timeout=120, start_method="fork")
+def run(cfg: TrainConfig, run_dir: Path, sites: int, workers: int, start_method: str = "forkserver") -> dict:
+    return run_local(cfg, Topology.uniform(sites, workers), run_dir=run_dir, timeout=120, start_method=start_method)
 
 
 def test_the_cut_minimises_the_largest_stage_and_covers_every_parameter() -> None:
@@ -258,7 +258,7 @@ def test_an_error_of_the_computation_in_replica_1_fails_the_run(tmp_path: Path, 
     monkeypatch.setattr(Pipeline, "_schedule", oom)  # the workers are forked: they inherit it
     cfg = pipe(steps=12, compression="none", stages=2, inner_steps=4)
     with pytest.raises(RuntimeError, match="out of memory"):
-        run(cfg, tmp_path, 4, 1)
+        run(cfg, tmp_path, 4, 1, start_method="fork")  # plain fork: the workers must inherit the patch
 
 
 def test_preflight_refuses_a_pipeline_it_cannot_run() -> None:

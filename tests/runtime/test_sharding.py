@@ -64,7 +64,7 @@ def test_sharded_training_matches_unsharded(strategy: str, tmp_path: Path) -> No
     topo = Topology.uniform(2, 2)
     losses = {}
     for shard in ("none", "site"):
-        summary = run_local(cfg(strategy, shard=shard), topo, run_dir=tmp_path / shard, start_method="fork", timeout=240)
+        summary = run_local(cfg(strategy, shard=shard), topo, run_dir=tmp_path / shard, start_method="forkserver", timeout=240)
         losses[shard] = summary["final_val_loss"]
         assert summary["val_curve"][-1]["val"] < summary["val_curve"][0]["val"] - 0.5
     assert losses["site"] == pytest.approx(losses["none"], rel=1e-3)
@@ -74,13 +74,13 @@ def test_sharded_training_matches_unsharded(strategy: str, tmp_path: Path) -> No
 def test_a_checkpoint_of_two_ranks_per_site_resumes_on_one(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     first = run_local(cfg(shard="site", checkpoint_every=4, checkpoint_dir=str(ckpt), stop_at_step=8),
-                      Topology.uniform(2, 2), run_dir=tmp_path / "a", start_method="fork", timeout=240)
+                      Topology.uniform(2, 2), run_dir=tmp_path / "a", start_method="forkserver", timeout=240)
     info = checkpoint.latest(ckpt)
     assert info["step"] == 8 and info["format"] == "dcp" and ".metadata" in info["files"]
     before = next(p["val"] for p in first["val_curve"] if p["step"] == 8)
     resumed = run_local(cfg(shard="site", resume=str(ckpt), checkpoint_dir=str(ckpt), checkpoint_every=4),
                         Topology.uniform(2, 1),
-                        run_dir=tmp_path / "b", start_method="fork", timeout=240)
+                        run_dir=tmp_path / "b", start_method="forkserver", timeout=240)
     after = resumed["val_curve"][0]
     assert after["step"] == 8 and after["val"] == pytest.approx(before, rel=0.01)
     assert resumed["val_curve"][-1]["step"] == 12

@@ -30,7 +30,7 @@ def tiny(strategy: str, *, steps: int = 40, **knobs: object) -> TrainConfig:
 
 
 def run(cfg: TrainConfig, run_dir: Path, topology: Topology = TWO_BY_TWO) -> dict:
-    return run_local(cfg, topology, run_dir=run_dir, timeout=120, start_method="fork")
+    return run_local(cfg, topology, run_dir=run_dir, timeout=120, start_method="forkserver")
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -98,6 +98,6 @@ def test_llama_nano_trains_on_a_token_file_and_its_loss_falls(tmp_path: Path) ->
     assert about["dtype"] == "uint16" and about["tokens"] > 200_000
     cfg = TrainConfig(model="llama-nano", data={"path": about["uri"], "vocab": 512}, tokens=24 * 2048,
                       global_batch_tokens=2048, seq_len=64, val_every=100, val_batches=2)
-    summary = run_local(cfg, Topology.uniform(1, 1), run_dir=tmp_path / "run", timeout=300, start_method="fork")
+    summary = run_local(cfg, Topology.uniform(1, 1), run_dir=tmp_path / "run", timeout=300, start_method="forkserver")
     assert summary["initial_val_loss"] == pytest.approx(np.log(512), rel=0.05)  # a 512-way model, not 256
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0, summary

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -34,7 +34,9 @@ class TeamStatus(CamelModel):
 class TeamManifest(ManifestBase):
     kind: Literal["Team"] = "Team"
     spec: TeamSpec
-    status: TeamStatus | None = None
+    # read-only, ignored on input as every kind's status is (cpn/core/store.py): typed loosely here so that the
+    # published request schema does not promise to check it; TeamStatus documents its shape
+    status: dict[str, Any] | None = None
 
 
 class QuotaSpec(CamelModel):
@@ -77,4 +79,4 @@ class QuotaStatus(CamelModel):
 class QuotaManifest(ManifestBase):
     kind: Literal["Quota"] = "Quota"
     spec: QuotaSpec
-    status: QuotaStatus | None = None
+    status: dict[str, Any] | None = None  # read-only (see TeamManifest.status); QuotaStatus documents its shape
