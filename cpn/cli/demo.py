@@ -52,11 +52,22 @@ def world(provider: str) -> list[dict[str, Any]]:
                          "name": "slots", "gpu": {"model": "CPU", "memoryGB": 4, "tflops": CPU_SLOT_TFLOPS},
                          "gpusPerNode": 1, "nodes": 1, "pricePerGpuHour": price}],
                          "interconnect": {"intraNodeGbps": 50, "interNodeGbps": 10}}})
-    for a, b, gbps, rtt, price in LINKS:
-        if a in mine and (b in mine or provider == "alpha-cloud"):
-            docs.append({"apiVersion": "cpn/v1", "kind": "Link", "metadata": {"name": f"{a}--{b}"},
-                         "spec": {"a": a, "b": b, "bandwidthGbps": gbps, "rttMs": rtt, "pricePerGB": price}})
+    # links from this provider's sites; one to beta-dc's site is pending until beta-dc applies it too
+    # (`consents`, after every provider's world: docs/security.md, M4)
+    docs += [_link(*ln) for ln in LINKS if ln[0] in mine and (ln[1] in mine or provider == "alpha-cloud")]
     return docs
+
+
+def consents(provider: str) -> list[dict[str, Any]]:
+    """The links other providers' worlds made to `provider`'s sites, for it to apply (its consent: a link
+    between two providers' sites is used only once both applied it) after every provider's `world`."""
+    mine = PROVIDERS[provider]
+    return [_link(*ln) for ln in LINKS if ln[1] in mine and ln[0] not in mine]
+
+
+def _link(a: str, b: str, gbps: float, rtt: float, price: str) -> dict[str, Any]:
+    return {"apiVersion": "cpn/v1", "kind": "Link", "metadata": {"name": f"{a}--{b}"},
+            "spec": {"a": a, "b": b, "bandwidthGbps": gbps, "rttMs": rtt, "pricePerGB": price}}
 
 
 DEMO_BATCH_TOKENS = 3 * 128 * 8  # a step of 24 sequences: 8, 12 or 24 per slot on 3, 2 or 1 slots
@@ -242,6 +253,11 @@ def _run_demo(data_dir: Path, wan: bool, tokens: int, model: str, keep: bool) ->
                     result = client.post("/api/v1/apply", json={"items": world(provider)})
                     click.echo(f"● {provider} registered " + ", ".join(f"{i['kind'].lower()}/{i['name']}"
                                                                        for i in result["items"]))
+            for provider in PROVIDERS:  # ... and beta accepts those links by applying them too
+                if consents(provider):
+                    with Client(server, tokens_by[provider]) as client:
+                        result = client.post("/api/v1/apply", json={"items": consents(provider)})
+                        click.echo(f"● {provider} accepted " + ", ".join(f"link/{i['name']}" for i in result["items"]))
             sites.start_all()
             click.echo("● started a site agent per cluster: " + ", ".join(c.name for c in clusters)
                        + f" (logs in {sites.state_root / 'logs'})")

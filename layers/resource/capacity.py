@@ -17,7 +17,7 @@ from cpn.core.principal import Principal, Role
 from cpn.core.store import RETIRED
 from layers.resource.models import ClusterRow, LinkRow, SiteRow
 from layers.resource.schemas import HeartbeatBatch, HeartbeatRequest
-from layers.resource.stores import FIRST_HEARTBEAT, READY_CHANGED, is_ready
+from layers.resource.stores import FIRST_HEARTBEAT, READY_CHANGED, is_ready, link_active
 
 
 async def heartbeat(session: AsyncSession, principal: Principal, name: str, body: HeartbeatRequest,
@@ -254,5 +254,6 @@ async def _load(session: AsyncSession, stamp: tuple[Any, ...]) -> _Catalogue:
         status=c.status or {}, last_heartbeat_at=c.last_heartbeat_at) for c, s in rows)
     links = tuple(LinkView(name=r.name, a=r.spec["a"], b=r.spec["b"], bandwidth_gbps=float(r.spec["bandwidthGbps"]),
                            rtt_ms=float(r.spec["rttMs"]), price_per_gb=str(r.spec["pricePerGB"]), owner_id=r.owner_id)
-                  for r in (await session.execute(select(LinkRow).order_by(LinkRow.name))).scalars())
+                  for r in (await session.execute(select(LinkRow).order_by(LinkRow.name))).scalars()
+                  if link_active(r.status))  # a pending link between two providers' sites is not offered
     return _Catalogue(stamp, clusters, links)

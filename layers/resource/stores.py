@@ -13,7 +13,7 @@ from cpn.core import errors
 from cpn.core.db import as_utc
 from cpn.core.manifest import set_condition
 from cpn.core.principal import Principal, Role
-from cpn.core.store import RETIRED, ResourceRow, ResourceStore
+from cpn.core.store import _UNCHECKED, RETIRED, ResourceRow, ResourceStore
 from layers.resource.models import ClusterRow, LinkRow, SiteRow
 from layers.resource.schemas import ClusterManifest, LinkManifest, SiteManifest
 
@@ -173,34 +173,155 @@ def _stamp(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text) if text else None
 
 
+LINK_FIGURES = ("a", "b", "bandwidthGbps", "rttMs", "pricePerGB")  # what both providers of a link must state alike
+
+
+def link_active(status: dict[str, Any] | None) -> bool:
+    """Whether planning and pricing may use a link: every provider of its two sites applied it (or an admin
+    did). A link stored before consent existed (no `accepted` in its status) counts as active."""
+    return (status or {}).get("accepted", True) is not False
+
+
+def _same_figures(stored: dict[str, Any], wire: dict[str, Any]) -> bool:
+    from decimal import Decimal
+    for k in LINK_FIGURES:
+        x, y = stored.get(k), wire.get(k)
+        if k in ("a", "b"):
+            if x != y:
+                return False
+        elif x is None or y is None or Decimal(str(x)) != Decimal(str(y)):
+            return False
+    return True
+
+
 class LinkStore(ResourceStore):
+    """A link between two sites of one provider is that provider's. A link between two providers' sites is
+    an agreement: the first provider's apply makes it *pending* (status `accepted: false`, condition
+    `Accepted=False AwaitingOtherProvider`) and no plan or price uses it until the other site's provider
+    applies a link between the same two sites with the same figures (a, b, bandwidthGbps, rttMs,
+    pricePerGB); then it is active and both providers may change or delete it (a change by one makes it
+    pending again for the other; a delete by either removes it). An apply with other figures replaces a
+    pending link that awaits the caller (a counter-proposal, now awaiting the first provider). An admin's
+    link is active at once. See docs/security.md (M4)."""
+
     kind = "Link"
     row = LinkRow
     manifest = LinkManifest
     create_roles: ClassVar[frozenset[Role]] = PROVIDERS
 
-    async def prepare(self, session: AsyncSession, principal: Principal, obj: Any,
-                      row: ResourceRow | None) -> dict[str, Any]:
+    def authorize_write(self, principal: Principal, row: ResourceRow | None) -> None:
+        if principal.role not in self.create_roles and not principal.is_admin:
+            raise errors.Forbidden(f"role {principal.role.value!r} may not change {self.kind} objects")
+        if row is None or principal.owns(row.owner_id):
+            return
+        if principal.account_id not in {p.get("account") for p in (row.status or {}).get("parties", [])}:
+            raise errors.Forbidden(f"Link {row.name!r} joins two sites of other providers: only they (or an admin) "
+                                   "may change or delete it")
+
+    async def _sides(self, session: AsyncSession, principal: Principal, obj: Any) -> tuple[SiteRow, SiteRow]:
         spec = obj.spec
         if spec.a == spec.b:
             raise errors.InvalidInput("a link must join two different sites", field="spec.b")
         a, b = await site_by_name(session, spec.a), await site_by_name(session, spec.b)
         for side, site in (("a", a), ("b", b)):
             if site is None:
-                raise errors.InvalidInput(f"unknown site {getattr(spec, side)!r}", field=f"spec.{side}")
+                raise errors.InvalidInput(f"unknown site {getattr(spec, side)!r}: register the Site first",
+                                          field=f"spec.{side}")
         assert a is not None and b is not None
         if not (principal.owns(a.owner_id) or principal.owns(b.owner_id)):
-            raise errors.Forbidden("a link may be registered only by the provider of one of its ends")
-        if spec.price_per_gb > 0 and not principal.owns(a.owner_id):
-            raise errors.Forbidden(
-                f"spec.pricePerGB: a link's egress price is what the provider of its source site spec.a "
-                f"({spec.a!r}) charges, and {spec.a!r} belongs to another provider; put your own site in spec.a "
-                "to price your egress, or set pricePerGB: 0", field="spec.pricePerGB")
-        key = "|".join(sorted((spec.a, spec.b)))
-        clash = (await session.execute(select(LinkRow).where(LinkRow.pair_key == key))).scalar_one_or_none()
+            raise errors.Forbidden(f"spec.a: a link may be registered only by the provider of one of its ends "
+                                   f"({spec.a!r} or {spec.b!r}) or an admin", field="spec.a")
+        return a, b
+
+    @staticmethod
+    def _status(principal: Principal, a: SiteRow, b: SiteRow, wire: dict[str, Any],
+                accepted: set[str]) -> dict[str, Any]:
+        parties = {a.owner_id: a.spec.get("provider") or a.owner_id, b.owner_id: b.spec.get("provider") or b.owner_id}
+        if principal.is_admin or len(parties) == 1:
+            accepted = set(parties)
+        accepted &= set(parties)
+        now = datetime.now(UTC)
+        if accepted == set(parties):
+            how = "Admin" if principal.is_admin and len(parties) > 1 and principal.account_id not in parties else (
+                "BothProviders" if len(parties) > 1 else "OneProvider")
+            cond = set_condition([], "Accepted", True, how, "in use: every provider of its two sites applied it"
+                                 if how != "Admin" else "in use: created by an admin", now)
+        else:
+            waiting = [(acc, name) for acc, name in parties.items() if acc not in accepted]
+            acc, name = waiting[0]
+            site = a if a.owner_id == acc else b
+            figures = ", ".join(f"{k}: {wire.get(k)}" for k in LINK_FIGURES)
+            cond = set_condition([], "Accepted", False, "AwaitingOtherProvider",
+                                 f"pending: not used by any plan until provider {name!r} (owner of site "
+                                 f"{site.name!r}) applies a Link between {a.name} and {b.name} with the same "
+                                 f"figures ({figures}), or deletes this one", now)
+        return {"accepted": accepted == set(parties), "conditions": cond,
+                "parties": [{"provider": name, "account": acc, "accepted": acc in accepted}
+                            for acc, name in sorted(parties.items(), key=lambda kv: kv[1])]}
+
+    @staticmethod
+    def _accepted(row: ResourceRow) -> set[str]:
+        return {p["account"] for p in (row.status or {}).get("parties", []) if p.get("accepted")}
+
+    async def _pair(self, session: AsyncSession, a: SiteRow, b: SiteRow) -> LinkRow | None:
+        key = "|".join(sorted((a.name, b.name)))
+        return (await session.execute(select(LinkRow).where(LinkRow.pair_key == key))).scalar_one_or_none()
+
+    async def prepare(self, session: AsyncSession, principal: Principal, obj: Any,
+                      row: ResourceRow | None) -> dict[str, Any]:
+        """A replace (a create goes through `create_row`): the figures unchanged keep who accepted them and add
+        the caller; changed, only the caller has accepted them."""
+        a, b = await self._sides(session, principal, obj)
+        clash = await self._pair(session, a, b)
         if clash is not None and (row is None or clash.id != row.id):
-            raise errors.InvalidInput(f"link {clash.name!r} already joins {spec.a} and {spec.b}", field="spec.b")
-        return {"ids": (a.id, b.id, key)}
+            raise errors.InvalidInput(f"spec.b: link {clash.name!r} already joins {a.name} and {b.name}; "
+                                      f"change that one (cpnctl edit link {clash.name}) or delete it first",
+                                      field="spec.b")
+        wire = obj.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+        accepted = {principal.account_id}
+        if row is not None and _same_figures(row.spec or {}, wire):
+            accepted |= self._accepted(row)
+        return {"ids": (a.id, b.id, "|".join(sorted((a.name, b.name)))),
+                "status": self._status(principal, a, b, wire, accepted)}
+
+    async def create_row(self, session: AsyncSession, principal: Principal, body: Any, *,
+                         flush: bool = True, existing: Any = _UNCHECKED) -> ResourceRow:
+        obj = body if isinstance(body, self.manifest) else self.parse(body)
+        self.authorize_write(principal, None)
+        key = self.new_key(principal, obj)
+        if (await self.find(session, key) if existing is _UNCHECKED else existing) is not None:
+            raise errors.AlreadyExists(f"{self.kind} {key!r} already exists", field="metadata.name")
+        a, b = await self._sides(session, principal, obj)
+        wire = obj.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+        clash = await self._pair(session, a, b)
+        if clash is not None:
+            mine = self._accepted(clash)
+            parties = {p.get("account") for p in (clash.status or {}).get("parties", [])}
+            awaits_me = principal.account_id in parties and principal.account_id not in mine and not principal.is_admin
+            if awaits_me and _same_figures(clash.spec or {}, wire):  # consent: the other provider's link, accepted
+                clash.status = self._status(principal, a, b, wire, mine | {principal.account_id})
+                if flush:
+                    await session.flush()
+                return clash
+            if not awaits_me:
+                raise errors.InvalidInput(
+                    f"spec.b: link {clash.name!r} already joins {a.name} and {b.name}; change that one "
+                    f"(cpnctl edit link {clash.name}) or delete it first", field="spec.b")
+            await session.delete(clash)  # a pending proposal awaiting the caller: its own figures replace it
+            await session.flush()
+        row = self.row(name=key, owner_id=principal.account_id)
+        self._fill(row, obj, {"ids": (a.id, b.id, "|".join(sorted((a.name, b.name)))),
+                              "status": self._status(principal, a, b, wire, {principal.account_id})})
+        session.add(row)
+        if flush:
+            await session.flush()
+        return row
+
+    async def apply(self, session: AsyncSession, principal: Principal, body: Any) -> tuple[str, dict[str, Any]]:
+        verb, out = await super().apply(session, principal, body)
+        named = (body.get("metadata") or {}).get("name") if isinstance(body, dict) else None
+        return ("configured" if verb == "created" and named and out["metadata"]["name"] != named else verb), out
 
     def derive(self, row: ResourceRow, obj: Any, refs: dict[str, Any]) -> None:
         row.site_a_id, row.site_b_id, row.pair_key = refs["ids"]  # type: ignore[attr-defined]
+        row.status = refs["status"]

@@ -35,7 +35,8 @@ def job(name: str = "j1", **spec) -> dict:
 
 async def register_world(api) -> None:
     a, b = world()
-    for who, items in (("prov-a", a), ("prov-b", b)):
+    # prov-a applies prov-b's link to fra-1 too: its consent, without which no plan uses it (issue 35 M4)
+    for who, items in (("prov-a", a), ("prov-b", b), ("prov-a", [d for d in b if d["kind"] == "Link"])):
         resp = await api.client.post("/api/v1/apply", json={"items": items}, headers=api.auth(who))
         assert resp.status == 200, await resp.text()
     for who, name in (("prov-a", "fra-h100"), ("prov-a", "ams-a100"), ("prov-b", "nyc-h100")):

@@ -89,20 +89,21 @@ async def test_a_job_cancelled_before_it_ran_gets_a_zero_invoice(api, db) -> Non
 
 
 async def test_a_provider_prices_only_egress_from_its_own_sites(api) -> None:  # type: ignore[no-untyped-def]
+    """The egress price of spec.a binds only once spec.a's provider applied it: another provider's link that
+    names it is pending (unused, unpriced) until then (issue 35 M4)."""
     await _world(api)  # prov-a: fra-1, ams-1; prov-b: nyc-1
     resp = await api.client.delete("/api/v1/links/ams-1--nyc-1", headers=api.auth("prov-a"))
     assert resp.status == 200, await resp.text()
     priced = link("nyc-ams", "nyc-1", "ams-1")  # source nyc-1 belongs to prov-b
     resp = await api.client.post("/api/v1/links", json=priced, headers=api.auth("prov-a"))
-    assert resp.status == 403
-    err = (await resp.json())["error"]
-    assert err["field"] == "spec.pricePerGB" and "nyc-1" in err["message"]
-    free = {**priced, "spec": {**priced["spec"], "pricePerGB": "0"}}
-    resp = await api.client.post("/api/v1/links", json=free, headers=api.auth("prov-a"))
     assert resp.status == 201, await resp.text()
+    cond = (await resp.json())["status"]["conditions"][0]
+    assert cond["reason"] == "AwaitingOtherProvider" and "nyc-1" in cond["message"] and "prov-b" in cond["message"]
     resp = await api.client.post("/api/v1/links", json=link("nyc-ams-b", "nyc-1", "ams-1"),
                                  headers=api.auth("prov-b"))
-    assert resp.status == 422  # the pair has a link already; prov-b prices its side by owning spec.a
+    assert resp.status == 201, await resp.text()  # the same figures: prov-b's consent to its own egress price
+    got = await resp.json()
+    assert got["metadata"]["name"] == "nyc-ams" and got["status"]["accepted"] is True
 
 
 async def test_progress_follows_the_newest_count_whichever_rank_reports_it(api, db) -> None:  # type: ignore[no-untyped-def]

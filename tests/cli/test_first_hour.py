@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from cpn.cli.demo import PROVIDERS, world
+from cpn.cli.demo import PROVIDERS, consents, world
 from tests.conftest import run_cli
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "jobs").glob("*.yaml"))
@@ -34,6 +34,11 @@ def demo_world(live_server) -> dict[str, str]:  # type: ignore[no-untyped-def]
                        headers={"Authorization": f"Bearer {token}"},
                        json={"allocatableGpus": 1, "capacityGpus": 1,
                              "conditions": [{"type": "Ready", "status": "True"}]}).raise_for_status()
+    for provider, sites in PROVIDERS.items():  # each provider accepts the links made to its sites (issue 35 M4)
+        if consents(provider):
+            out = live_server.cpnctl("--token", by_site[sites[0]], "--server", live_server.url, "apply", "-f", "-",
+                                     input=yaml.safe_dump_all(consents(provider)))
+            assert out.returncode == 0, out.stderr
     live_server.user = live_server.token("alice", "user")
     out = live_server.cpnctl("config", "set-context", "alice", "--server", live_server.url, "--token",
                              live_server.user)

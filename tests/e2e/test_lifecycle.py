@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cpn.agent.localsites import LocalCluster, LocalSites
-from cpn.cli.demo import LINKS, PROVIDERS, world
+from cpn.cli.demo import LINKS, PROVIDERS, consents, world
 from cpn.runtime.launcher import free_port
 from tests.conftest import LiveServer, start_server, stop_server
 
@@ -51,6 +51,9 @@ class World:
         self.admin = self.server.token("root", "admin")
         for provider in sorted(PROVIDERS, key=lambda p: p == "alpha-cloud"):
             self.call(self.providers[provider], "POST", "/api/v1/apply", {"items": world(provider)})
+        for provider in PROVIDERS:  # beta accepts alpha's links to its site (issue 35 M4)
+            if consents(provider):
+                self.call(self.providers[provider], "POST", "/api/v1/apply", {"items": consents(provider)})
         self.clusters = {f"{s}-cpu": LocalCluster(f"{s}-cpu", s, self.providers[p])
                          for p, sites in PROVIDERS.items() for s in sites}
         self.sites.clusters = list(self.clusters.values())

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from cpn.agent.localsites import LocalCluster, LocalSites
-from cpn.cli.demo import LINKS, PROVIDERS, world
+from cpn.cli.demo import LINKS, PROVIDERS, consents, world
 from cpn.runtime.launcher import free_port
 from layers.resource.gpus import CPU_SLOT_TFLOPS
 from tests.conftest import start_server
@@ -62,6 +62,9 @@ class FourSites(World):
             for provider in sorted(PROVIDERS, key=lambda p: p == "alpha-cloud"):  # alpha links to beta's site
                 self.call(self.providers[provider], "POST", "/api/v1/apply", {"items": world(provider)})
             self.call(self.providers["alpha-cloud"], "POST", "/api/v1/apply", {"items": _fourth_site()})
+            # beta-dc accepts alpha's links to nyc-1 by applying them too (issue 35 M4)
+            to_nyc = [d for d in _fourth_site() if d["kind"] == "Link" and d["spec"]["b"] == "nyc-1"]
+            self.call(self.providers["beta-dc"], "POST", "/api/v1/apply", {"items": [*consents("beta-dc"), *to_nyc]})
             self.clusters = {f"{s}-cpu": LocalCluster(f"{s}-cpu", s, self.providers[p]) for s, p in owners.items()}
             self.sites.clusters = list(self.clusters.values())
             self.sites.start_all()

@@ -21,6 +21,7 @@ from layers.orchestration.planning import data as data_model
 from layers.orchestration.planning.types import DataNeed, WanLink
 from layers.resource.datasets import DatasetRow, find_dataset
 from layers.resource.models import LinkRow
+from layers.resource.stores import link_active
 from layers.service.models import JobRow
 
 # The corpora CPN's own runtime reads (cpn/runtime/data.py: the Python standard library's sources).
@@ -84,7 +85,7 @@ async def wan_links(session: AsyncSession) -> list[WanLink]:
     rows = (await session.execute(select(LinkRow).where(LinkRow.name.not_like(f"{RETIRED}%")))).scalars()
     return [WanLink(a=r.spec["a"], b=r.spec["b"], bandwidth_gbps=float(r.spec["bandwidthGbps"]),
                     rtt_ms=float(r.spec.get("rttMs") or 0.0), price_per_gb=Decimal(str(r.spec.get("pricePerGB") or 0)))
-            for r in rows]
+            for r in rows if link_active(r.status)]  # pending (one provider's) links carry no data
 
 
 async def data_ref(session: AsyncSession, job: JobRow, site: str) -> DataRef | None:

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 
-from cpn.cli.demo import world
+from cpn.cli.demo import consents, world
 from layers.orchestration.lifecycle.models import SubtaskRow
 from layers.orchestration.lifecycle.reconciler import Reconciler, ReconcilerConfig
 from layers.service.models import JobRow
@@ -26,6 +26,8 @@ async def _world(api) -> None:  # type: ignore[no-untyped-def]
         resp = await api.client.post("/api/v1/apply", json={"items": world(PROVIDERS[token])},
                                      headers=api.auth(token))
         assert resp.status == 200, await resp.text()
+    resp = await api.client.post("/api/v1/apply", json={"items": consents("beta-dc")}, headers=api.auth("prov-b"))
+    assert resp.status == 200, await resp.text()  # beta's consent to alpha's links to nyc-1 (issue 35 M4)
     for token, sites in (("prov-a", ["fra-1", "ams-1"]), ("prov-b", ["nyc-1"])):
         for site in sites:
             resp = await api.client.post(f"/api/v1/clusters/{site}-cpu/heartbeat", headers=api.auth(token),
