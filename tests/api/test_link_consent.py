@@ -129,3 +129,25 @@ async def test_the_demo_world_with_its_consents_has_every_link_active(api, db) -
     assert sorted(i["metadata"]["name"] for i in items) == sorted(f"{a}--{b}" for a, b, *_ in LINKS)
     assert all(i["status"]["accepted"] is True for i in items), [i["status"] for i in items]
     assert sorted((await _planned(db))[0]) == sorted(f"{a}--{b}" for a, b, *_ in LINKS)
+
+
+async def test_a_job_quoted_over_the_two_sites_sees_the_link_only_once_both_applied_it(api) -> None:
+    """Two sites must be linked for a two-site plan: over a squatter's pending link there is none."""
+    from tests.api.test_jobs import job
+
+    await _two_providers(api)
+    for who, name in (("prov-a", "fra-h100"), ("prov-b", "nyc-h100")):
+        resp = await api.client.post(f"/api/v1/clusters/{name}/heartbeat", headers=api.auth(who),
+                                     json={"allocatableGpus": 16, "conditions": [{"type": "Ready", "status": "True"}]})
+        assert resp.status == 200, await resp.text()
+    assert (await apply(api, "prov-a", [link("fra-nyc", "fra-1", "nyc-1")])).status == 200
+
+    two_sites = job("over", gpus={"min": 2, "max": 32}, sites={"min": 2, "max": 2})
+    resp = await api.client.post("/api/v1/jobs?dryRun=true", json=two_sites, headers=api.auth("alice"))
+    err = (await resp.json())["error"]
+    assert resp.status == 422 and err["field"] == "spec.sites.min" and "linked" in err["message"], err
+    assert (await apply(api, "prov-b", [link("fra-nyc", "fra-1", "nyc-1")])).status == 200  # consent
+    resp = await api.client.post("/api/v1/jobs?dryRun=true", json=two_sites, headers=api.auth("alice"))
+    assert resp.status == 200, await resp.text()
+    quotes = (await resp.json())["status"]["quotes"]
+    assert quotes and all({p["cluster"] for p in q["placement"]} == {"fra-h100", "nyc-h100"} for q in quotes)
