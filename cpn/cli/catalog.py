@@ -17,7 +17,9 @@ _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 @click.option("--clusters", type=click.IntRange(min=0), default=12, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same world.")
 @click.option("--providers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Spread sites over provider1..N (label cpn.io/provider).")
+              help="Spread sites over provider1..N (label cpn.io/provider). Applied by an admin every link is "
+                   "active; applied by each provider, a link between two providers' sites is used only once "
+                   "both applied it (docs/security.md, M4).")
 @click.option("--links", type=click.IntRange(min=0), default=None,
               help="At most this many links (connected when at least sites-1).")
 @click.option("-o", "--output", type=click.File("w"), default="-", help="File to write [stdout].")
