@@ -48,6 +48,27 @@ async def test_unknown_revoked_expired_and_malformed_tokens_read_alike(api, db) 
     assert messages == {UNUSABLE}
 
 
+async def test_an_unknown_token_id_costs_the_same_kdf_as_a_wrong_secret(api, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Refused before the KDF, an unknown id answered in a fraction of a wrong secret's time: the timing told
+    which token ids exist (issue 35)."""
+    from layers.orchestration.identity import tokens
+
+    verified: list[str] = []
+    hasher = tokens._HASHER
+
+    class Counting:
+        def verify(self, hashed: str, secret: str) -> bool:
+            verified.append(secret)
+            return hasher.verify(hashed, secret)
+
+    monkeypatch.setattr(tokens, "_HASHER", Counting())
+    alice = api.tokens["alice"]
+    for token in ("cpn_0123456789abcdef_guess-one", f"cpn_{alice.split('_')[1]}_guess-two"):
+        r = await api.client.get("/api/v1/whoami", headers={"Authorization": f"Bearer {token}"})
+        assert r.status == 401 and (await r.json())["error"]["message"] == UNUSABLE
+    assert verified == ["guess-one", "guess-two"]  # both ran the KDF
+
+
 async def test_calibrations_show_only_the_callers_own_workloads(api, db) -> None:  # type: ignore[no-untyped-def]
     from sqlalchemy import select
 

@@ -29,7 +29,7 @@ def config(strategy: str, **knobs: object) -> TrainConfig:
 def run(cfg: TrainConfig, topology: Topology, run_dir: Path, args: dict | None = None) -> list[dict]:
     env = {**cfg.to_env(), ENV_RUN_DIR: str(run_dir), ENV.CODE_ARGS: json.dumps(args or {})}
     results = launch(topology, "tests.train.usermodel:main", [], env=env, timeout=180, capture_output=True,
-                     check=False, start_method="fork")
+                     check=False, start_method="forkserver")
     bad = [f"rank {r.rank} exited {r.exit_code}: {r.log[-2000:]}" for r in results if r.exit_code != 0]
     assert not bad, "\n".join(bad)
     return [json.loads((run_dir / f"user-rank{r}.json").read_text()) for r in range(topology.world_size)]

@@ -32,7 +32,7 @@ def run(cfg: TrainConfig, topology: Topology, run_dir: Path, args: dict | None =
         ok: bool = True) -> tuple[list[dict], list]:
     env = {**cfg.to_env(), ENV_RUN_DIR: str(run_dir), ENV.CODE_ARGS: json.dumps(args or {})}
     results = launch(topology, "tests.train.userpipe:main", [], env=env, timeout=180, capture_output=True,
-                     check=False, start_method="fork")
+                     check=False, start_method="forkserver")
     if not ok:
         return [], results
     bad = [f"rank {r.rank} exited {r.exit_code}: {r.log[-2000:]}" for r in results if r.exit_code != 0]

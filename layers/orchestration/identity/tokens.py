@@ -184,6 +184,12 @@ async def _verify_once(session: AsyncSession, key: str, token: str) -> Principal
         del _verifying[key]
 
 
+@functools.cache
+def _stand_in() -> str:
+    """A hash no token verifies against (its secret is thrown away), made once."""
+    return _HASHER.hash(secrets.token_urlsafe(32))
+
+
 async def _verify(session: AsyncSession, token: str) -> Principal:
     parts = token.split("_", 2)
     if len(parts) != 3 or parts[0] != "cpn":
@@ -191,13 +197,16 @@ async def _verify(session: AsyncSession, token: str) -> Principal:
     row = (await session.execute(
         select(Token, Account).join(Account, Account.id == Token.account_id).where(Token.lookup == parts[1])
     )).first()
+    # an unknown id pays the same KDF against a stand-in hash: refused at once, its timing told whether a token
+    # id exists (issue 35); the stand-in never verifies
+    secret_hash = _stand_in() if row is None else row[0].secret_hash
+    try:  # the KDF (~20 ms of CPU) runs beside the event loop: argon2 releases the GIL
+        await asyncio.to_thread(_HASHER.verify, secret_hash, parts[2])
+    except (VerificationError, InvalidHashError) as exc:
+        raise errors.Unauthenticated(UNUSABLE) from exc
     if row is None:
         raise errors.Unauthenticated(UNUSABLE)
     tok, account = row
-    try:  # the KDF (~20 ms of CPU) runs beside the event loop: argon2 releases the GIL
-        await asyncio.to_thread(_HASHER.verify, tok.secret_hash, parts[2])
-    except (VerificationError, InvalidHashError) as exc:
-        raise errors.Unauthenticated(UNUSABLE) from exc
     if tok.revoked or account.disabled:
         raise errors.Unauthenticated(UNUSABLE)
     if tok.expires_at is not None and _aware(tok.expires_at) < datetime.now(UTC):
