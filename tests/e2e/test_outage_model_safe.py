@@ -39,8 +39,15 @@ class OneSite:
         self.agent = LocalCluster("fra-cpu", "fra-1", self.provider, slots=1)
         self.sites = LocalSites(self.port, [self.agent], [], tmp / "sites", heartbeat_seconds=1.0).__enter__()
         self.sites.start(self.agent)
-        wait(lambda: self.call(self.provider, "GET", "/api/v1/clusters/fra-cpu")["status"].get("allocatable", {})
-             .get("gpus") == 1, 90)
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """The agent heartbeats its free slot (a stopped agent's goodbye marked the cluster not Ready)."""
+        def ready() -> bool:
+            status = self.call(self.provider, "GET", "/api/v1/clusters/fra-cpu")["status"]
+            return status.get("allocatable", {}).get("gpus") == 1 and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+        wait(ready, 90)
 
     def call(self, token: str, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
         resp = httpx.request(method, f"{self.server.url}{path}", json=body, timeout=60,
@@ -127,6 +134,7 @@ def test_a_blob_store_failing_past_the_window_ends_honestly(world: OneSite, monk
     monkeypatch.setenv("CPN_OUTAGE_WINDOW_SECONDS", "3")  # the agent (restarted below) hands it to its runners
     world.sites.stop("fra-cpu")
     world.sites.start(world.agent)
+    world.wait_ready()
     job = world.submit("unlucky")
     # the store cannot take this job's final weights (a directory where the file goes: every PUT fails, 5xx)
     blocked = world.tmp / "blobs" / job["metadata"]["uid"] / "final" / "model.pt"
