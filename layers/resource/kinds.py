@@ -34,5 +34,6 @@ def register(registry: KindRegistry, heartbeat_timeout: timedelta,
     registry.register(Kind(
         kind="Link", plural="links", short_names=("ln",), manifest=LinkManifest, store=LinkStore(), order=30,
         columns=(Column("A", "{spec.a}"), Column("B", "{spec.b}"), Column("GBPS", "{spec.bandwidthGbps}"),
-                 Column("RTT MS", "{spec.rttMs}"), Column("PRICE/GB", "{spec.pricePerGB}"), AGE,
+                 Column("RTT MS", "{spec.rttMs}"), Column("PRICE/GB", "{spec.pricePerGB}"),
+                 Column("STATE", "{status.state}"), AGE,
                  Column("MEASURED GBPS", "{spec.measured.bandwidthGbps}", wide=True))))

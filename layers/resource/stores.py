@@ -263,6 +263,12 @@ class LinkStore(ResourceStore):
     def _accepted(row: ResourceRow) -> set[str]:
         return {p["account"] for p in (row.status or {}).get("parties", []) if p.get("accepted")}
 
+    def status_view(self, row: ResourceRow, now: datetime | None = None) -> dict[str, Any]:
+        """The stored status with `state`: Active (planning uses it) or Pending (awaiting the other provider)."""
+        status = dict(row.status or {})
+        status["state"] = "Active" if link_active(status) else "Pending"
+        return status
+
     async def _pair(self, session: AsyncSession, a: SiteRow, b: SiteRow) -> LinkRow | None:
         key = "|".join(sorted((a.name, b.name)))
         return (await session.execute(select(LinkRow).where(LinkRow.pair_key == key))).scalar_one_or_none()

@@ -39,7 +39,7 @@ async def test_a_link_to_another_providers_site_is_pending_until_it_applies_the_
     assert resp.status == 200, await resp.text()
     status, body = await _get(api, "fra-nyc")
     cond = _accepted(body)
-    assert status == 200 and body["status"]["accepted"] is False
+    assert status == 200 and body["status"]["accepted"] is False and body["status"]["state"] == "Pending"
     assert cond["status"] == "False" and cond["reason"] == "AwaitingOtherProvider"
     assert "prov-b" in cond["message"] and "nyc-1" in cond["message"] and "bandwidthGbps" in cond["message"]
     assert await _planned(db) == ([], [])  # not offered to any plan while pending
@@ -49,6 +49,7 @@ async def test_a_link_to_another_providers_site_is_pending_until_it_applies_the_
     assert (await resp.json())["items"][0]["action"] == "configured"
     status, body = await _get(api, "fra-nyc")
     assert body["status"]["accepted"] is True and _accepted(body)["reason"] == "BothProviders"
+    assert body["status"]["state"] == "Active"  # what `cpnctl get links` shows in its STATE column
     assert {p["provider"]: p["accepted"] for p in body["status"]["parties"]} == {"prov-a": True, "prov-b": True}
     assert (await _get(api, "nyc-side"))[0] == 404  # one link per pair of sites
     assert await _planned(db) == (["fra-nyc"], [("fra-1", "nyc-1")])
