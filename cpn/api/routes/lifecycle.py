@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from cpn.api import state
 from cpn.api.bodies import json_response, read_model
@@ -38,6 +38,9 @@ WATCH_MAX_SECONDS = 30.0
 
 
 class MetricsBatch(BaseModel):
+    # no other keys: the schema said any were welcome while a NUL in one got a 422 (the fuzz, 2026-11-28)
+    model_config = ConfigDict(extra="forbid")
+
     reports: list[dict[str, object]] = Field(max_length=5000)
     # the sender's name for this batch, the same on every retry: a batch already stored is not stored again
     batchId: str | None = Field(None, pattern=BATCH_ID_PATTERN)  # noqa: N815 - wire name
