@@ -3,34 +3,15 @@ in this process against the `api` fixture's server (real HTTP on a local port)."
 
 from __future__ import annotations
 
-import asyncio
-import sys
-
-from click.testing import CliRunner
-
 from tests.api.test_jobs import job, register_world, submit
 from tests.api.test_quotas import FOUR, accept, create, quota, team
-
-
-def _invoke(url: str, token: str, args: list[str]) -> tuple[int, str, str]:
-    from cpn.cli.ctl.main import main
-
-    with CliRunner().isolation(env={"CPN_CONFIG": "/nonexistent/cpnctl.yaml"}) as (out, err, _):
-        argv, sys.argv = sys.argv, ["cpnctl", "--server", url, "--token", token, *args]
-        code = 0
-        try:
-            main()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        finally:
-            sys.argv = argv
-        return code, out.getvalue().decode(), err.getvalue().decode()
+from tests.cli import inproc
 
 
 async def cpnctl(api, who: str, *args: str) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
-    """cpnctl as account `who`, off the event loop (which goes on serving it)."""
-    url = str(api.client.make_url("")).rstrip("/")
-    return await asyncio.to_thread(_invoke, url, api.tokens[who], list(args))
+    """cpnctl as account `who`, in this process off the event loop (tests/cli/inproc.py)."""
+    result = await inproc.cpnctl(api, who, *args)
+    return result.code, result.stdout, result.stderr
 
 
 async def test_get_and_describe_show_used_against_the_limit(api) -> None:
